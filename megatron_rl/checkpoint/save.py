@@ -1,0 +1,74 @@
+"""Training-state checkpoints with Megatron's dist_checkpointing (sharded, reloadable at another
+parallel layout). Written to a temporary directory and renamed, then the ``latest`` pointer is
+replaced last, so a crash mid-save never corrupts the newest good checkpoint."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+
+
+def _sharded_state(learner) -> Dict[str, Any]:
+    model_state = learner.module.sharded_state_dict()
+    return {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
+
+
+def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any], keep: int = 2) -> Path:
+    from megatron.core import dist_checkpointing
+
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f".step_{step}.tmp"
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    if dist.is_initialized():
+        dist.barrier()
+    dist_checkpointing.save(_sharded_state(learner), str(tmp))
+    if rank0:
+        (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / ".latest.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / "latest")
+        _rotate(root, keep)
+    if dist.is_initialized():
+        dist.barrier()
+    logger.info("saved checkpoint %s", final)
+    return final
+
+
+def _rotate(root: Path, keep: int) -> None:
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), key=lambda p: int(p.name.split("_")[1]))
+    for old in steps[: max(0, len(steps) - keep)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def latest_checkpoint(root: Path) -> Optional[Path]:
+    pointer = root / "latest"
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def load_checkpoint(learner, path: Path) -> Dict[str, Any]:
+    """Load model and optimizer state into a built learner; return the saved trainer state."""
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(_sharded_state(learner), str(path))
+    learner.module.load_state_dict(state["model"])
+    learner.optimizer.load_state_dict(state["optimizer"])
+    return json.loads((path / STATE_FILE).read_text())

@@ -1,0 +1,153 @@
+"""Structured configs: one dataclass per group of names users type (see DESIGN.md).
+
+Every field here is overridable from the command line, e.g. ``trainer.total_steps=50``.
+Validation of values lives in ``validate.py`` so that these stay plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    # llama: RMSNorm + SwiGLU + RoPE, no biases; qwen2: the same plus q/k/v biases.
+    family: str = "llama"
+    # Hugging Face or Megatron checkpoint to start from; None builds a random-init model.
+    path: Optional[str] = None
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    ffn_hidden_size: int = 128
+    max_position_embeddings: int = 64
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-6
+    tie_word_embeddings: bool = False
+    init_method_std: float = 0.02
+    # fp32 | bf16
+    dtype: str = "fp32"
+
+
+@dataclass
+class LearnerConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    # Derived from the world size when omitted.
+    dp: Optional[int] = None
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # Token budget of one micro-batch (prompt + response tokens, padding included).
+    micro_batch_tokens: int = 4096
+    # PPO epochs over each batch (mini-batches split the batch into optimizer steps).
+    ppo_epochs: int = 1
+    mini_batches: int = 1
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    # embedded | vllm
+    engine: str = "embedded"
+    engines: int = 1
+    tp: int = 1
+    # colocated | disaggregated
+    placement: str = "colocated"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 disables top-k.
+    top_k: int = 0
+    max_new_tokens: int = 16
+    # Largest decode batch of the embedded engine.
+    max_batch_size: int = 256
+
+
+@dataclass
+class SchedulerConfig:
+    # η: how many policy versions a trained sample may lag behind (0 = synchronous on-policy).
+    max_staleness: int = 0
+    max_concurrent_rollouts: int = 1024
+    weight_sync_interval: int = 1
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "grpo"
+    group_size: int = 8
+    # Groups (prompts) per training batch; each contributes group_size samples.
+    groups_per_batch: int = 16
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    # Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring.
+    normalize_adv_by_std: bool = True
+    adv_eps: float = 1e-6
+    kl_coef: float = 0.0
+    # k1 | k2 | k3
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    # reverse_digits | sort_digits | gsm8k | jsonl
+    name: str = "reverse_digits"
+    # JSONL file for gsm8k / jsonl datasets.
+    path: Optional[str] = None
+    prompt_key: str = "question"
+    answer_key: str = "answer"
+    # Synthetic tasks: digit-string lengths (inclusive) and alphabet.
+    min_digits: int = 3
+    max_digits: int = 5
+    digits: str = "0123456789"
+    # plain | qa (Question/Answer framing for text datasets)
+    template: str = "plain"
+    # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)
+    tokenizer: str = "char"
+    bpe_vocab_size: int = 4096
+    max_prompt_tokens: int = 48
+    shuffle: bool = True
+
+
+@dataclass
+class RewardConfig:
+    # reverse_digits | sort_digits | gsm8k
+    name: str = "reverse_digits"
+    timeout_s: float = 10.0
+    workers: int = 1
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 100
+    seed: int = 1234
+    # Defaults to runs/<recipe>/<timestamp>.
+    run_dir: Optional[str] = None
+    recipe: str = "custom"
+    checkpoint_interval: int = 0
+    checkpoint_keep: int = 2
+    save_final_checkpoint: bool = True
+    log_interval: int = 1
+    progress: bool = True
+    # Threads for intra-op parallelism on CPU; 0 leaves torch's default.
+    cpu_threads: int = 0
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

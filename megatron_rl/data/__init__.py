@@ -1,0 +1,1 @@
+"""Datasets, prompt templates, tokenizers."""

@@ -1,0 +1,32 @@
+"""Build the tokenizer and the prompt stream a config asks for."""
+
+from __future__ import annotations
+
+from typing import Iterable, Tuple
+
+from ..config.schema import RootConfig
+from .datasets import DigitTask, JsonlPrompts, Prompt, TEMPLATES, read_jsonl
+from .tokenizer import Tokenizer, char_tokenizer, train_bpe
+
+
+def build_tokenizer(cfg: RootConfig) -> Tokenizer:
+    d = cfg.data
+    if d.tokenizer == "char":
+        return char_tokenizer(d.digits + "=")
+    # Byte-level BPE trained on the dataset's own prompts and answers (offline, ~1 s).
+    rows = read_jsonl(d.path, [d.prompt_key, d.answer_key])
+    texts = (TEMPLATES[d.template].format(question=r[d.prompt_key]) + " " + r[d.answer_key] for r in rows)
+    return train_bpe(texts, d.bpe_vocab_size)
+
+
+def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
+    d = cfg.data
+    if d.name in ("reverse_digits", "sort_digits"):
+        return DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits, cfg.trainer.seed)
+    return JsonlPrompts(d.path, tokenizer, d.prompt_key, d.answer_key, d.template, d.max_prompt_tokens,
+                        cfg.trainer.seed, d.shuffle, gsm8k=d.name == "gsm8k")
+
+
+def build_data(cfg: RootConfig) -> Tuple[Tokenizer, Iterable[Prompt]]:
+    tokenizer = build_tokenizer(cfg)
+    return tokenizer, build_prompts(cfg, tokenizer)

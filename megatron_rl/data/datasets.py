@@ -1,0 +1,135 @@
+"""Prompt sources: synthetic digit tasks (generated, endless) and JSONL datasets such as GSM8K.
+
+Bad input fails early with one line naming the file, the line and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, List, Sequence
+
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    """A dataset file that cannot be used; the message names the file, the line and the fix."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    uid: str
+    text: str
+    prompt_ids: List[int]
+    # Ground truth the reward compares against (the reversed digits, the GSM8K final answer).
+    target: str
+
+
+def read_jsonl(path: str, required: Sequence[str]) -> List[Dict]:
+    """Rows of a JSONL file, each checked to hold the required string fields."""
+    file = Path(path)
+    if not file.is_file():
+        raise DatasetError(f"data.path={path!r}: file not found (GSM8K ships at "
+                           "../shared/data/gsm8k/train.jsonl; pass data.path=<file>)")
+    rows = []
+    with file.open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: not valid JSON ({err.msg} at column {err.colno}); "
+                                   "fix or delete that line") from None
+            if not isinstance(row, dict):
+                raise DatasetError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+            for key in required:
+                if key not in row:
+                    raise DatasetError(f"{path}:{lineno}: missing field {key!r} (row has: "
+                                       f"{', '.join(sorted(row)) or 'nothing'}); set data.prompt_key/"
+                                       "data.answer_key to the right field names")
+                if not isinstance(row[key], str) or not row[key].strip():
+                    raise DatasetError(f"{path}:{lineno}: field {key!r} must be a non-empty string")
+            rows.append(row)
+    if not rows:
+        raise DatasetError(f"{path}: no rows")
+    return rows
+
+
+def gsm8k_final_answer(answer: str) -> str:
+    """The number after GSM8K's ``####`` marker, without thousands separators."""
+    if "####" not in answer:
+        raise ValueError("GSM8K answers end with '#### <number>'")
+    return answer.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+TEMPLATES = {
+    "plain": "{question}",
+    "qa": "Question: {question}\nLet's think step by step and end with '#### <number>'.\nAnswer:",
+}
+
+
+class JsonlPrompts:
+    """Epochs over a JSONL dataset, shuffled per epoch with the run's seed."""
+
+    def __init__(self, path: str, tokenizer: Tokenizer, prompt_key: str, answer_key: str,
+                 template: str, max_prompt_tokens: int, seed: int, shuffle: bool = True,
+                 gsm8k: bool = False):
+        rows = read_jsonl(path, [prompt_key, answer_key])
+        self.prompts: List[Prompt] = []
+        too_long = 0
+        for i, row in enumerate(rows):
+            target = row[answer_key]
+            if gsm8k:
+                try:
+                    target = gsm8k_final_answer(target)
+                except ValueError as err:
+                    raise DatasetError(f"{path}:{i + 1}: field {answer_key!r}: {err}") from None
+            text = TEMPLATES[template].format(question=row[prompt_key].strip())
+            ids = [tokenizer.bos_id] + tokenizer.encode(text)
+            if len(ids) > max_prompt_tokens:
+                too_long += 1
+                continue
+            self.prompts.append(Prompt(f"{Path(path).stem}-{i}", text, ids, target))
+        if too_long:
+            logger.warning("%s: skipped %d of %d prompts longer than data.max_prompt_tokens=%d",
+                           path, too_long, len(rows), max_prompt_tokens)
+        if not self.prompts:
+            raise DatasetError(f"{path}: every prompt exceeds data.max_prompt_tokens={max_prompt_tokens}")
+        self.rng = random.Random(seed)
+        self.shuffle = shuffle
+
+    def __iter__(self) -> Iterator[Prompt]:
+        while True:
+            order = list(range(len(self.prompts)))
+            if self.shuffle:
+                self.rng.shuffle(order)
+            for i in order:
+                yield self.prompts[i]
+
+
+class DigitTask:
+    """Endless synthetic prompts: ``<bos>d1..dn=``; the answer is the digits reversed or sorted."""
+
+    def __init__(self, task: str, tokenizer: Tokenizer, digits: str, min_len: int, max_len: int, seed: int):
+        if task not in ("reverse_digits", "sort_digits"):
+            raise ValueError(f"unknown digit task {task!r}")
+        self.task, self.tokenizer, self.digits = task, tokenizer, digits
+        self.min_len, self.max_len = min_len, max_len
+        self.rng = random.Random(seed)
+
+    def target(self, s: str) -> str:
+        return s[::-1] if self.task == "reverse_digits" else "".join(sorted(s))
+
+    def __iter__(self) -> Iterator[Prompt]:
+        n = 0
+        while True:
+            s = "".join(self.rng.choice(self.digits) for _ in range(self.rng.randint(self.min_len, self.max_len)))
+            text = s + "="
+            yield Prompt(f"{self.task}-{n}", text, [self.tokenizer.bos_id] + self.tokenizer.encode(text), self.target(s))
+            n += 1

@@ -1,0 +1,1 @@
+"""Learner: parallel init, model/optimizer build, logprob forward, train step, packing."""

@@ -1,0 +1,89 @@
+"""Turn trajectories into fixed-shape micro-batches for the Megatron forward.
+
+Every micro-batch has the same [rows, seq_len] shape (the batch's longest sequence, rows chosen
+from the token budget), so pipeline-parallel schedules can use one tensor shape. Filler rows
+carry a zero loss mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+import torch
+
+from ..types import Trajectory
+
+# Per-response-token fields copied from each trajectory, aligned with the label positions.
+_TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs")
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor          # [b, s] input ids (prompt + response, right padded)
+    labels: torch.Tensor          # [b, s] next-token targets
+    loss_mask: torch.Tensor       # [b, s] 1.0 where labels[b, t] is a trained response token
+    advantages: torch.Tensor      # [b, s] per-token advantage (0 outside the mask)
+    behav_logprobs: torch.Tensor  # [b, s] logprobs from the rollout engine that sampled the token
+    old_logprobs: torch.Tensor    # [b, s] proximal logprobs (learner, before the update)
+    ref_logprobs: torch.Tensor    # [b, s] reference-model logprobs (zeros when no reference)
+    rows: List[int]               # index of each row in the trajectory list (-1 for filler)
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        return MicroBatch(**moved)
+
+    @property
+    def seq_len(self) -> int:
+        return self.tokens.shape[1]
+
+
+def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0) -> List[MicroBatch]:
+    """Pack trajectories (in order) into equal-shape micro-batches within ``token_budget`` tokens."""
+    if not trajs:
+        return []
+    seq_len = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    rows = max(1, token_budget // seq_len)
+    batches = []
+    for start in range(0, len(trajs), rows):
+        idx = list(range(start, min(start + rows, len(trajs))))
+        batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
+    return batches
+
+
+def _token_values(traj: Trajectory) -> Dict[str, List[float]]:
+    n = len(traj.response_ids)
+    return {
+        "loss_mask": [float(m) for m in traj.loss_mask],
+        "advantages": [traj.advantage] * n,
+        "behav_logprobs": traj.logprobs,
+        "old_logprobs": traj.proximal_logprobs if traj.proximal_logprobs is not None else traj.logprobs,
+        "ref_logprobs": traj.ref_logprobs if traj.ref_logprobs is not None else [0.0] * n,
+    }
+
+
+def _collate(trajs: Sequence[Trajectory], idx: List[int], rows: int, seq_len: int, pad_id: int) -> MicroBatch:
+    shape = (rows, seq_len)
+    tokens = torch.full(shape, pad_id, dtype=torch.long)
+    labels = torch.full(shape, pad_id, dtype=torch.long)
+    per_token = {name: torch.zeros(shape) for name in _TOKEN_FIELDS}
+    for r, traj in enumerate(trajs):
+        full = traj.prompt_ids + traj.response_ids
+        n, p = len(full), len(traj.prompt_ids)
+        tokens[r, :n] = torch.tensor(full)
+        labels[r, : n - 1] = torch.tensor(full[1:])
+        # Logits at position p-1+i predict response token i.
+        for name, values in _token_values(traj).items():
+            per_token[name][r, p - 1 : n - 1] = torch.tensor(values, dtype=torch.float)
+    return MicroBatch(tokens=tokens, labels=labels, rows=idx + [-1] * (rows - len(trajs)), **per_token)
+
+
+def response_values(mb: MicroBatch, values: torch.Tensor, trajs: Sequence[Trajectory]) -> Dict[int, List[float]]:
+    """Per-response-token values (e.g. logprobs [b, s]) of each real row, keyed by trajectory index."""
+    out: Dict[int, List[float]] = {}
+    for r, i in enumerate(mb.rows):
+        if i < 0:
+            continue
+        p, n = len(trajs[i].prompt_ids), len(trajs[i].response_ids)
+        out[i] = values[r, p - 1 : p - 1 + n].tolist()
+    return out

@@ -1,0 +1,203 @@
+"""The Megatron learner: model + optimizer, logprob forward, policy-gradient train step, HF export.
+
+Forward and backward go through Megatron's pipeline schedules (``get_forward_backward_func``),
+so the same code runs at PP=1 and PP>1. Losses are token sums; Megatron divides gradients by the
+global token count (``calculate_per_token_loss``), which makes the loss a token mean over the
+whole batch across micro-batches and data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..algorithms import kl_penalty, ppo_clip_loss
+from ..config.schema import RootConfig
+from ..models.gpt import build_gpt_model, model_device
+from ..models.hf_names import megatron_to_hf
+from ..types import Trajectory
+from .batch import MicroBatch, build_micro_batches, response_values
+from .logprobs import token_entropy, token_logprobs
+from .parallel import init_model_parallel
+
+logger = logging.getLogger(__name__)
+
+
+def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean [1, 1, s, s] mask, True where attention is not allowed (Megatron's convention)."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, V_local] of a GPTModel for right-padded token ids [b, s]."""
+    b, s = tokens.shape
+    position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, position_ids, causal_mask(s, tokens.device))
+
+
+class Learner:
+    """Policy model, optional frozen reference, Megatron optimizer."""
+
+    def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int = 0):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.cfg = cfg
+        self.pad_id = pad_id
+        self.vocab_size = vocab_size
+        lc = cfg.learner
+        init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
+        self.device = model_device()
+        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=lc.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+        bf16 = cfg.model.dtype == "bf16"
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=lc.lr, min_lr=lc.min_lr, weight_decay=lc.weight_decay,
+                adam_beta1=lc.adam_beta1, adam_beta2=lc.adam_beta2, adam_eps=lc.adam_eps,
+                clip_grad=lc.clip_grad, bf16=bf16,
+                params_dtype=torch.bfloat16 if bf16 else torch.float32,
+                use_distributed_optimizer=lc.use_distributed_optimizer,
+            ),
+            [self.model],
+        )
+        model.config.finalize_model_grads_func = finalize_model_grads
+        model.config.grad_scale_func = self.optimizer.scale_loss
+        self.ref_model: Optional[torch.nn.Module] = None
+        if cfg.algo.kl_coef > 0:
+            self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+            self.ref_model.load_state_dict(self.module.state_dict())
+            self.ref_model.requires_grad_(False).eval()
+        self.optimizer_steps = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The bare GPTModel under the DDP wrapper."""
+        return self.model.module
+
+    # ---------------------------------------------------------------- forward only
+    @torch.no_grad()
+    def compute_logprobs(self, trajs: Sequence[Trajectory], temperature: float,
+                         reference: bool = False) -> List[List[float]]:
+        """Per-response-token logprobs of each trajectory under the current (or reference) weights."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model = self.ref_model if reference else self.model
+        if model is None:
+            raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
+        mbs = build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id)
+        outputs = get_forward_backward_func()(
+            forward_step_func=partial(self._forward_step, temperature=temperature),
+            data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+            seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0],
+            forward_only=True, collect_non_loss_data=True,
+        )
+        result: Dict[int, List[float]] = {}
+        for mb, logprobs in zip(mbs, outputs):
+            result.update(response_values(mb, logprobs.cpu(), trajs))
+        return [result[i] for i in range(len(trajs))]
+
+    def _forward_step(self, data_iterator, model, temperature: float):
+        mb: MicroBatch = next(data_iterator).to(self.device)
+        logits = forward_logits(model, mb.tokens)
+
+        def collect(output, non_loss_data=True):
+            return token_logprobs(output, mb.labels, temperature) * mb.loss_mask
+
+        return logits, collect
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, trajs: Sequence[Trajectory], temperature: float, lr: float) -> Dict[str, float]:
+        """PPO epochs × mini-batches of optimizer steps over one batch of scored trajectories.
+        Trajectories must carry advantages; proximal (and reference) logprobs are filled here."""
+        cfg = self.cfg
+        for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature)):
+            traj.proximal_logprobs = lp
+        if self.ref_model is not None:
+            for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature, reference=True)):
+                traj.ref_logprobs = lp
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        per_mini = math.ceil(len(trajs) / cfg.learner.mini_batches)
+        totals: Dict[str, float] = {}
+        grad_norms = []
+        for _ in range(cfg.learner.ppo_epochs):
+            for start in range(0, len(trajs), per_mini):
+                stats, grad_norm = self._optimizer_step(trajs[start : start + per_mini], temperature)
+                grad_norms.append(grad_norm)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+        tokens = max(totals.pop("tokens", 0.0), 1.0)
+        metrics = {f"train/{k.removesuffix('_sum')}": v / tokens for k, v in totals.items()}
+        metrics["train/clip_fraction"] = metrics.pop("train/clipped_tokens")
+        metrics["train/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
+        metrics["train/lr"] = lr
+        return metrics
+
+    def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id)
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = get_forward_backward_func()(
+            forward_step_func=partial(self._loss_step, temperature=temperature),
+            data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
+            seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0], forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            logger.warning("optimizer step skipped (non-finite gradients)")
+        self.optimizer_steps += 1
+        stats: Dict[str, float] = {}
+        for out in outputs:
+            for k, v in out.items():
+                stats[k] = stats.get(k, 0.0) + float(v)
+        return stats, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _loss_step(self, data_iterator, model, temperature: float):
+        mb: MicroBatch = next(data_iterator).to(self.device)
+        logits = forward_logits(model, mb.tokens)
+        return logits, partial(self._policy_loss, mb=mb, temperature=temperature)
+
+    def _policy_loss(self, logits: torch.Tensor, mb: MicroBatch, temperature: float):
+        algo = self.cfg.algo
+        mask = mb.loss_mask
+        logprobs = token_logprobs(logits, mb.labels, temperature)
+        loss, stats = ppo_clip_loss(logprobs, mb.old_logprobs, mb.advantages, mask,
+                                    algo.clip_low, algo.clip_high)
+        entropy = token_entropy(logits, temperature)
+        if algo.entropy_coef > 0:
+            loss = loss - algo.entropy_coef * entropy * mask
+        if self.ref_model is not None:
+            kl = kl_penalty(logprobs, mb.ref_logprobs, algo.kl_estimator) * mask
+            loss = loss + algo.kl_coef * kl
+            stats["kl_sum"] = kl.detach().sum()
+        num_tokens = mask.sum()
+        total = loss.sum()
+        stats.update(
+            loss_sum=total.detach(),
+            entropy_sum=(entropy.detach() * mask).sum(),
+            # |learner - engine| logprob gap on the sampled tokens: should be ~0 on-policy.
+            behav_logprob_gap_sum=((mb.old_logprobs - mb.behav_logprobs).abs() * mask).sum(),
+            tokens=num_tokens.detach(),
+        )
+        return total, num_tokens.to(torch.int), stats
+
+    # ---------------------------------------------------------------- weights out
+    def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Full tensors under Hugging Face names (single-rank layout: TP=PP=EP=1)."""
+        for name, tensor in self.module.state_dict().items():
+            if tensor is None or not isinstance(tensor, torch.Tensor):
+                continue  # TransformerEngine/_extra_state entries carry no weights
+            yield from megatron_to_hf(name, tensor.detach(), self.cfg.model)

@@ -1,0 +1,66 @@
+"""Process-group set-up for the learner: torch.distributed + Megatron's parallel_state."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ..models.cpu_patches import apply_cpu_patches, cuda_available
+
+logger = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed() -> None:
+    """Join the torchrun world if launched by torchrun; otherwise form a world of one process."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if cuda_available() else "gloo"
+    if cuda_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend=backend)
+    logger.info("torch.distributed up: backend=%s world=%d", backend, dist.get_world_size())
+
+
+def init_model_parallel(tp: int = 1, pp: int = 1, ep: int = 1, cp: int = 1, seed: int = 0) -> None:
+    """Initialise Megatron's parallel_state (idempotent for the same layout) and its RNG tracker."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    apply_cpu_patches()
+    init_distributed()
+    if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size() == tp
+                and parallel_state.get_pipeline_model_parallel_world_size() == pp)
+        if not same:
+            raise RuntimeError("Megatron parallel_state is already initialised with another layout")
+    else:
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            context_parallel_size=cp,
+        )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

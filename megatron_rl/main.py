@@ -1,0 +1,55 @@
+"""Command line: ``python -m megatron_rl.main [recipe=NAME] [key=value ...]``.
+
+Recipes are Hydra YAMLs under recipes/ composed onto the structured schema; any key can be
+overridden (``trainer.total_steps=50 algo.group_size=8``). Errors in config or data print one
+line naming the problem and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import List, Optional
+
+USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] [key=value ...]
+  recipe=NAME      a YAML under recipes/ (default tiny_cpu)
+  --print-config   print the resolved config and exit
+  key=value        any config override, e.g. trainer.total_steps=50 algo.group_size=8"""
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from .config import ConfigError, load_config
+    from .data.datasets import DatasetError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in args):
+        print(USAGE)
+        return 0
+    recipe = "tiny_cpu"
+    print_only = "--print-config" in args
+    overrides = []
+    for arg in args:
+        if arg.startswith("recipe="):
+            recipe = arg.split("=", 1)[1]
+        elif arg != "--print-config":
+            overrides.append(arg)
+    try:
+        cfg = load_config(recipe, overrides)
+        cfg.trainer.recipe = recipe
+        if print_only:
+            from omegaconf import OmegaConf
+
+            print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+            return 0
+        from .trainer import Trainer
+
+        summary = Trainer(cfg).run()
+    except (ConfigError, DatasetError) as err:
+        print(f"megatron_rl: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

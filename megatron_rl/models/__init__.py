@@ -1,0 +1,1 @@
+"""Model families: our ModelConfig -> Megatron TransformerConfig + layer spec; HF name maps."""

@@ -1,0 +1,111 @@
+"""Build a Megatron-core GPTModel (llama / qwen2 style) from our ModelConfig.
+
+The learner and the embedded rollout engine both build their model here, so their forwards are the
+same code and their logprobs agree.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..config.schema import ModelConfig
+from .cpu_patches import apply_cpu_patches, cuda_available
+
+logger = logging.getLogger(__name__)
+
+# Families whose attention projections carry biases (q/k/v only).
+_QKV_BIAS = {"llama": False, "qwen2": True}
+
+
+def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 8) -> int:
+    """Megatron shards the vocabulary over TP ranks: pad it to a multiple of ``multiple * tp``."""
+    step = multiple * tp
+    return ((vocab_size + step - 1) // step) * step
+
+
+def te_available() -> bool:
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    on_cpu = not cuda_available()
+    dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=_QKV_BIAS[cfg.family],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=cfg.init_method_std,
+        params_dtype=dtype,
+        bf16=cfg.dtype == "bf16",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=on_cpu,
+        # Fusions need CUDA kernels; the unfused paths are exact and run anywhere.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_sync=not on_cpu,
+        # Losses are summed per token; Megatron divides gradients by the global token count.
+        calculate_per_token_loss=True,
+    )
+
+
+def layer_spec(use_te: bool):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+
+def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
+                    pre_process: bool = True, post_process: bool = True):
+    """A GPTModel on this machine's device; parallel_state must already be initialised."""
+    from megatron.core.models.gpt import GPTModel
+
+    apply_cpu_patches()
+    use_te = te_available()
+    logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
+    model = GPTModel(
+        config=transformer_config(cfg, tp, pp),
+        transformer_layer_spec=layer_spec(use_te),
+        vocab_size=vocab_size,
+        max_sequence_length=cfg.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=cfg.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(cfg.rotary_base),
+    )
+    if cuda_available():
+        model = model.cuda(torch.cuda.current_device())
+    return model
+
+
+def model_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")

@@ -1,0 +1,41 @@
+"""Verifiable rewards: pure functions ``(completion_text, target) -> score in [0, 1]``."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict
+
+
+def digit_match(completion: str, target: str) -> float:
+    """Partial credit for a digit string: matching positions / max(len(target), len(completion)).
+
+    Too long and too short answers both lose credit, so the model must also learn where to stop.
+    """
+    if not target:
+        raise ValueError("digit_match needs a non-empty target")
+    answer = completion.strip()
+    correct = sum(a == b for a, b in zip(answer, target))
+    return correct / max(len(target), len(answer))
+
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def gsm8k_exact(completion: str, target: str) -> float:
+    """1.0 when the number after the last ``####`` equals the reference answer, else 0.0."""
+    if "####" not in completion:
+        return 0.0
+    match = _NUMBER.search(completion.rsplit("####", 1)[1])
+    if match is None:
+        return 0.0
+    try:
+        return float(float(match.group().replace(",", "")) == float(target.replace(",", "")))
+    except ValueError:
+        return 0.0
+
+
+REWARDS: Dict[str, Callable[[str, str], float]] = {
+    "reverse_digits": digit_match,
+    "sort_digits": digit_match,
+    "gsm8k": gsm8k_exact,
+}

@@ -1,0 +1,1 @@
+"""Rollout: the engine interface, engines, sampling and workflows."""

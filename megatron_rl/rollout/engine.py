@@ -1,0 +1,53 @@
+"""The RolloutEngine interface (DESIGN.md): token ids in, token ids + logprobs + versions out."""
+
+from __future__ import annotations
+
+import abc
+from typing import AsyncIterator, Iterable, Optional, Sequence, Tuple
+
+import torch
+
+from ..types import GenerationChunk, SamplingParams
+
+
+class EngineError(RuntimeError):
+    """An engine could not serve a request (it died, was misused, or was given bad input)."""
+
+
+class RolloutEngine(abc.ABC):
+    """An asynchronous generation engine holding one version of the policy weights."""
+
+    @abc.abstractmethod
+    def generate(self, request_id: str, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """Stream chunks of generated tokens; the last chunk has ``finish_reason`` set."""
+
+    @abc.abstractmethod
+    async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
+        """Finish the given requests (all when None) with ``finish_reason="abort"``."""
+
+    @abc.abstractmethod
+    async def pause(self, mode: str = "keep") -> None:
+        """Stop generating at the next step. ``keep`` holds in-flight requests to continue after
+        ``resume`` (their later tokens carry the new version); ``abort`` finishes them."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Continue generating after ``pause``."""
+
+    @abc.abstractmethod
+    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Load Hugging Face-named full tensors as policy ``version``; only while paused."""
+
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The policy version of the weights currently loaded."""
+
+    async def sleep(self) -> None:
+        """Free accelerator memory for colocated training (no-op where unsupported)."""
+
+    async def wake_up(self) -> None:
+        """Undo ``sleep``."""
+
+    async def shutdown(self) -> None:
+        """Stop background work and release resources."""

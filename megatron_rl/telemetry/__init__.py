@@ -1,0 +1,1 @@
+"""TensorBoard, metrics.jsonl, console progress and the overlap timeline."""

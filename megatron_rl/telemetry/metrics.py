@@ -1,0 +1,49 @@
+"""Step metrics to TensorBoard and metrics.jsonl (the same scalars), plus the timeline spans."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterator
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        self.jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+
+    def write(self, step: int, metrics: Dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.tb.add_scalar(key, value, step)
+        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def close(self) -> None:
+        self.tb.close()
+        self.jsonl.close()
+
+
+class Timeline:
+    """Spans (generate / reward / train / sync) per rank over wall time, one JSON line each."""
+
+    def __init__(self, path: Path, rank: int = 0):
+        self.file = path.open("a", buffering=1)
+        self.rank = rank
+        self.pid = os.getpid()
+
+    @contextmanager
+    def span(self, name: str, **attrs) -> Iterator[None]:
+        start = time.time()
+        try:
+            yield
+        finally:
+            end = time.time()
+            self.file.write(json.dumps({"name": name, "rank": self.rank, "pid": self.pid,
+                                        "start": start, "end": end, **attrs}) + "\n")
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,68 @@
+"""Plain data types shared by rollout, rewards, scheduler and learner (no framework imports)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # 0 disables top-k.
+    top_k: int = 0
+    max_new_tokens: int = 16
+    # Token ids that end a response (the EOS token is included by the caller).
+    stop_token_ids: tuple = ()
+    seed: Optional[int] = None
+
+
+@dataclass
+class GenerationChunk:
+    """Tokens produced since the previous chunk of one request, with their logprobs and the
+    policy version that produced each token. ``finish_reason`` is set on the last chunk only."""
+
+    request_id: str
+    token_ids: List[int]
+    logprobs: List[float]
+    versions: List[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+
+
+@dataclass
+class Trajectory:
+    """One sampled response to one prompt, as the learner needs it."""
+
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: List[int]
+    response_ids: List[int]
+    # Behaviour logprobs (from the engine) and policy versions, one per response token.
+    logprobs: List[float]
+    versions: List[int]
+    finish_reason: str
+    # 1 where the learner trains on the response token (0 for e.g. tool outputs in agent turns).
+    loss_mask: List[int] = field(default_factory=list)
+    reward: float = 0.0
+    reward_info: Dict[str, Any] = field(default_factory=dict)
+    advantage: float = 0.0
+    # Filled by the learner before the update: logprobs of the response under the weights about
+    # to be updated (PPO's "old" policy) and under the frozen reference model (for KL).
+    proximal_logprobs: Optional[List[float]] = None
+    ref_logprobs: Optional[List[float]] = None
+
+    def __post_init__(self) -> None:
+        if not self.loss_mask:
+            self.loss_mask = [1] * len(self.response_ids)
+        n = len(self.response_ids)
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
+            raise ValueError(
+                f"trajectory {self.prompt_uid}/{self.sample_index}: response has {n} tokens but "
+                f"{len(self.logprobs)} logprobs, {len(self.versions)} versions, "
+                f"{len(self.loss_mask)} mask entries"
+            )
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else -1

