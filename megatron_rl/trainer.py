@@ -6,6 +6,7 @@ builds on the same pieces.)"""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -66,6 +67,7 @@ class Trainer:
                                      stop_token_ids=(self.tokenizer.eos_id,))
         self.metrics = MetricsWriter(self.run_dir)
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
+        self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
         self.version = 0
         logger.info("run directory: %s", self.run_dir)
 
@@ -82,7 +84,7 @@ class Trainer:
         return [list(flat[k * g : (k + 1) * g]) for k in range(len(prompts))]
 
     def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
-        items = [(self.tokenizer.decode(t.response_ids), p.target) for p, grp in zip(prompts, groups) for t in grp]
+        items = [(self.tokenizer.decode_response(t.response_ids), p.target) for p, grp in zip(prompts, groups) for t in grp]
         scores = iter(self.rewards.score_many(items))
         for grp in groups:
             for traj in grp:
@@ -95,6 +97,16 @@ class Trainer:
             for traj, a in zip(grp, row):
                 traj.advantage = a
 
+    def log_samples(self, step: int, prompts: Sequence[Prompt], groups: List[List[Trajectory]], n: int = 4) -> None:
+        """A few decoded responses per logged step, for a person reading the run directory."""
+        if step != 1 and step % self.cfg.trainer.log_interval:
+            return
+        for traj in groups[0][:n]:
+            self.samples.write(json.dumps({
+                "step": step, "prompt": prompts[0].text, "target": prompts[0].target,
+                "response": self.tokenizer.decode_response(traj.response_ids),
+                "finish_reason": traj.finish_reason, "reward": traj.reward}) + "\n")
+
     # ------------------------------------------------------------------ the loop
     async def train_step(self, step: int) -> Dict[str, float]:
         cfg = self.cfg
@@ -106,6 +118,7 @@ class Trainer:
         with self.timeline.span("reward", step=step):
             self.score(prompts, groups)
         self.assign_advantages(groups)
+        self.log_samples(step, prompts, groups)
         t2 = time.perf_counter()
         flat = [t for grp in groups for t in grp]
         with self.timeline.span("train", step=step):
@@ -171,6 +184,7 @@ class Trainer:
         finally:
             self.metrics.close()
             self.timeline.close()
+            self.samples.close()
             self.rewards.close()
         logger.info("done: reward %.3f (first steps) -> %.3f (last steps); run dir %s",
                     summary["reward_first"], summary["reward_last"], self.run_dir)

@@ -18,9 +18,12 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 
 
-def _sharded_state(learner) -> Dict[str, Any]:
+def _sharded_state(learner, is_loading: bool = False) -> Dict[str, Any]:
     model_state = learner.module.sharded_state_dict()
-    return {"model": model_state, "optimizer": learner.optimizer.sharded_state_dict(model_state)}
+    # is_loading makes Megatron allocate optimizer state (Adam moments) for a fresh optimizer to
+    # load into; without it a not-yet-stepped optimizer would silently keep zero moments.
+    optimizer_state = learner.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any], keep: int = 2) -> Path:
@@ -68,7 +71,7 @@ def load_checkpoint(learner, path: Path) -> Dict[str, Any]:
     """Load model and optimizer state into a built learner; return the saved trainer state."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(_sharded_state(learner), str(path))
+    state = dist_checkpointing.load(_sharded_state(learner, is_loading=True), str(path))
     learner.module.load_state_dict(state["model"])
     learner.optimizer.load_state_dict(state["optimizer"])
     return json.loads((path / STATE_FILE).read_text())

@@ -14,6 +14,7 @@ from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_to
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIALS = [PAD, BOS, EOS]
+UNKNOWN = "\ufffd"
 
 
 class Tokenizer:
@@ -35,8 +36,27 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
-        # Ids beyond the tokenizer (Megatron pads the vocabulary) decode to nothing.
+        """Text of ids, special tokens dropped (for prompts and display)."""
         return self.backend.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)
+
+    def decode_response(self, ids: Sequence[int]) -> str:
+        """Text a reward should judge: everything the model emitted except a final EOS.
+
+        Nothing is hidden: special tokens stay as their names and ids beyond the tokenizer
+        (Megatron pads the vocabulary) become U+FFFD, so a policy cannot earn reward by padding
+        its answer with tokens that decode to nothing.
+        """
+        ids = list(ids[:-1] if ids and ids[-1] == self.eos_id else ids)
+        pieces, run = [], []
+        for i in ids:
+            if i < self.vocab_size:
+                run.append(i)
+                continue
+            pieces.append(self.backend.decode(run, skip_special_tokens=False))
+            pieces.append(UNKNOWN)
+            run = []
+        pieces.append(self.backend.decode(run, skip_special_tokens=False))
+        return "".join(pieces)
 
     def save(self, path: Path) -> None:
         self.backend.save(str(path))

@@ -7,15 +7,18 @@ from typing import Callable, Dict
 
 
 def digit_match(completion: str, target: str) -> float:
-    """Partial credit for a digit string: matching positions / max(len(target), len(completion)).
+    """Partial credit for a digit string, counting the end of the answer as one more position.
 
-    Too long and too short answers both lose credit, so the model must also learn where to stop.
+    score = (digits matching the target position by position + [answer length is right])
+            / (max(len(answer), len(target)) + 1)
+    Too long and too short answers both lose credit, and stopping at the right place earns its
+    own share, so the policy gets a signal for where to stop as well as for what to write.
     """
     if not target:
         raise ValueError("digit_match needs a non-empty target")
     answer = completion.strip()
-    correct = sum(a == b for a, b in zip(answer, target))
-    return correct / max(len(target), len(answer))
+    correct = sum(a == b for a, b in zip(answer, target)) + (len(answer) == len(target))
+    return correct / (max(len(target), len(answer)) + 1)
 
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -221,15 +221,16 @@ class EmbeddedEngine(RolloutEngine):
             self._running[req.request_id] = req
         state = BatchState([r.request_id for r in batch], batch[0].params, len(batch[0].prompt_ids))
         started = False
-        while not state.done:
-            if self._paused:
-                await self._resumed.wait()
-                continue
+        while True:
+            # Aborts first: a request aborted while the engine is paused must finish now.
             for row, req in enumerate(batch):
                 if req.request_id in self._aborted and state.finished[row] is None:
                     state.finished[row] = "abort"
             if state.done:
                 break
+            if self._paused:
+                await self._resumed.wait()
+                continue
             if not started:
                 started = await self._compute(self._gen.start, state, [r.prompt_ids for r in batch])
             elif not await self._compute(self._gen.step, state):

@@ -1,0 +1,27 @@
+import os
+
+# Keep each test process (and the ranks it launches) to one intra-op thread on the 2-core CI box.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """A one-process torch.distributed world with Megatron's parallel_state at TP=PP=1."""
+    from megatron_rl.learner.parallel import init_model_parallel
+    from megatron_rl.telemetry.run_dir import setup_logging
+
+    setup_logging()
+    init_model_parallel(1, 1, seed=0)
+    yield
+
+
+@pytest.fixture
+def tiny_cfg():
+    from megatron_rl.config import load_config
+
+    return load_config("tiny_cpu", ["trainer.progress=false"])

@@ -1,0 +1,75 @@
+"""Algorithms against hand-computed values and float64 references."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_rl.algorithms import group_relative_advantages, kl_penalty, ppo_clip_loss
+
+
+def test_grpo_advantages_hand_computed():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]], dtype=torch.float64)
+    adv = group_relative_advantages(rewards, normalize_by_std=True, eps=0.0 + 1e-12)
+    # Group 1: mean 0.5, unbiased std sqrt(1/3).
+    s = math.sqrt(1 / 3)
+    expected = torch.tensor([[0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s], [0.0] * 4], dtype=torch.float64)
+    assert torch.allclose(adv, expected, atol=1e-9)
+
+
+def test_grpo_without_std_only_centres():
+    rewards = torch.tensor([[3.0, 1.0, 2.0]], dtype=torch.float64)
+    assert group_relative_advantages(rewards, normalize_by_std=False).tolist() == [[1.0, -1.0, 0.0]]
+
+
+def test_grpo_rejects_flat_input():
+    with pytest.raises(ValueError, match="groups, group_size"):
+        group_relative_advantages(torch.ones(4))
+
+
+def test_ppo_clip_hand_computed():
+    old = torch.log(torch.tensor([0.5, 0.5, 0.5, 0.5], dtype=torch.float64))
+    new = torch.log(torch.tensor([0.75, 0.75, 0.25, 0.5], dtype=torch.float64))  # ratios 1.5, 1.5, 0.5, 1
+    adv = torch.tensor([1.0, -1.0, -1.0, 2.0], dtype=torch.float64)
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    loss, stats = ppo_clip_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.3)
+    # A>0, r=1.5: min(1.5, 1.3) = 1.3 -> -1.3 (clipped). A<0, r=1.5: min(-1.5, -1.3) = -1.5 -> 1.5.
+    # A<0, r=0.5: min(-0.5, -0.8) = -0.8 -> 0.8 (clipped). Masked token contributes 0.
+    assert torch.allclose(loss, torch.tensor([-1.3, 1.5, 0.8, 0.0], dtype=torch.float64))
+    assert stats["clipped_tokens"].item() == 2.0
+    assert math.isclose(stats["ratio_sum"].item(), 3.5)
+
+
+def test_ppo_clip_gradient_is_zero_when_clipped():
+    old = torch.zeros(2, dtype=torch.float64)
+    new = torch.tensor([0.5, 0.05], dtype=torch.float64, requires_grad=True)  # ratio e^0.5 clipped, e^0.05 not
+    loss, _ = ppo_clip_loss(new, old, torch.ones(2, dtype=torch.float64), torch.ones(2, dtype=torch.float64))
+    loss.sum().backward()
+    assert new.grad[0].item() == 0.0
+    assert math.isclose(new.grad[1].item(), -math.exp(0.05))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators(estimator):
+    logp = torch.tensor([-1.0, -2.0], dtype=torch.float64)
+    ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
+    lr = ref - logp  # [-0.5, 1.0]
+    expected = {"k1": -lr, "k2": 0.5 * lr**2, "k3": torch.exp(lr) - 1 - lr}[estimator]
+    assert torch.allclose(kl_penalty(logp, ref, estimator), expected)
+
+
+def test_kl_estimators_agree_in_expectation():
+    # Samples from p; E_p[k1] = E_p[k3] = KL(p || ref) exactly in the limit.
+    torch.manual_seed(0)
+    p = torch.tensor([0.6, 0.3, 0.1], dtype=torch.float64)
+    ref = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    x = torch.multinomial(p, 200_000, replacement=True)
+    true_kl = float((p * (p / ref).log()).sum())
+    for est in ("k1", "k3"):
+        value = kl_penalty(p.log()[x], ref.log()[x], est).mean().item()
+        assert abs(value - true_kl) < 0.01, (est, value, true_kl)
+
+
+def test_kl_unknown_estimator():
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_penalty(torch.zeros(1), torch.zeros(1), "k9")

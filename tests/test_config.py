@@ -1,0 +1,72 @@
+"""Config composition, overrides and one-line errors for bad values."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config import ConfigError, load_config
+
+
+def test_tiny_cpu_loads_and_overrides():
+    cfg = load_config("tiny_cpu", ["trainer.total_steps=7", "algo.group_size=4", "learner.lr=1e-4"])
+    assert cfg.trainer.total_steps == 7
+    assert cfg.algo.group_size == 4
+    assert cfg.learner.lr == 1e-4
+    assert cfg.model.num_layers == 2
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("algo.name=ppo_typo", "algo.name='ppo_typo' is not allowed; choose one of"),
+        ("rollout.engine=sglang", "rollout.engine='sglang' is not allowed"),
+        ("rollout.engine=vllm", "issue 6"),
+        ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
+        ("algo.group_size=1", "algo.group_size=1 must be >= 2"),
+        ("learner.lr=-1", "learner.lr=-1.0 must be > 0"),
+        ("model.num_attention_heads=3", "must be divisible by model.num_attention_heads=3"),
+        ("trainer.total_steps=abc", "trainer.total_steps"),
+        ("trainer.totl_steps=5", "totl_steps"),
+        ("data.name=gsm8k", "data.path is required"),
+        ("learner.tp=2", "learner.tp=2 is not available yet"),
+        ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
+    ],
+)
+def test_bad_values_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_cpu", [override])
+    message = str(info.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_unknown_recipe():
+    with pytest.raises(ConfigError, match="nope"):
+        load_config("nope")
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_rl.main", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_bad_value_prints_one_error_line():
+    result = _cli("algo.name=nope")
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines == ["megatron_rl: error: algo.name='nope' is not allowed; choose one of grpo"]
+
+
+def test_cli_missing_dataset_prints_one_error_line(tmp_path):
+    result = _cli("data.name=gsm8k", f"data.path={tmp_path}/none.jsonl", "data.tokenizer=bpe",
+                  f"trainer.run_dir={tmp_path}/run")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("megatron_rl: error: data.path=")
+    assert "file not found" in result.stderr
+
+
+def test_cli_print_config():
+    result = _cli("--print-config", "trainer.total_steps=3")
+    assert result.returncode == 0, result.stderr
+    assert "total_steps: 3" in result.stdout

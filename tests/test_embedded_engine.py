@@ -1,0 +1,136 @@
+"""Embedded engine behaviour: EOS and length stops, abort, pause/update/resume with versions."""
+
+import asyncio
+
+import pytest
+import torch
+
+from megatron_rl.config.schema import ModelConfig
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.engine import EngineError
+from megatron_rl.types import SamplingParams
+
+from engine_helpers import generate_all
+
+VOCAB = 32
+
+
+@pytest.fixture
+def engine(megatron_world):
+    torch.manual_seed(0)
+    return EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=8, seed=0)
+
+
+def _biased_weights(engine: EmbeddedEngine, token: int):
+    """HF tensors that make the model emit ``token`` whatever the input: attention and MLP
+    outputs are zeroed, so the final hidden state is the (all-ones) embedding, and only the LM
+    head row of ``token`` sees it (logit = hidden_size, every other logit 0)."""
+    from megatron_rl.models.hf_names import megatron_to_hf
+
+    hf = {}
+    for name, t in engine.model.state_dict().items():
+        if isinstance(t, torch.Tensor):
+            hf.update(megatron_to_hf(name, t.clone(), engine.model_cfg))
+    for name, t in hf.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight", "lm_head.weight")):
+            t.zero_()
+        elif name.endswith(("embed_tokens.weight", "norm.weight")):
+            t.fill_(1.0)
+    hf["lm_head.weight"][token] = 1.0
+    return hf
+
+
+def test_length_stop_and_batches_by_prompt_length(engine):
+    params = SamplingParams(max_new_tokens=5)
+    trajs = asyncio.run(generate_all(engine, [[1, 2], [1, 2, 3], [4, 5], [6, 7, 8]], params))
+    assert [t.finish_reason for t in trajs] == ["length"] * 4
+    assert all(len(t.response_ids) == 5 and len(t.logprobs) == 5 for t in trajs)
+    assert engine.stats.batches == 2  # two prompt lengths -> two buckets
+
+
+def test_eos_stop(engine):
+    async def run():
+        await engine.pause()
+        await engine.update_weights(_biased_weights(engine, token=3).items(), version=1)
+        await engine.resume()
+        stop = SamplingParams(max_new_tokens=20, stop_token_ids=(3,))
+        return await generate_all(engine, [[1, 2, 5]] * 3, stop)
+
+    for t in asyncio.run(run()):
+        assert t.finish_reason == "stop" and t.response_ids == [3] and t.versions == [1]
+
+
+def test_update_weights_requires_pause(engine):
+    async def run():
+        await engine.resume()
+        with pytest.raises(EngineError, match="paused engine"):
+            await engine.update_weights([], version=1)
+
+    asyncio.run(run())
+
+
+def test_abort_pending_and_running(engine):
+    async def run():
+        params = SamplingParams(max_new_tokens=25)
+
+        async def consume(rid, ids):
+            out = []
+            async for chunk in engine.generate(rid, ids, params):
+                out.append(chunk)
+            return out
+
+        tasks = [asyncio.create_task(consume(f"a{i}", [1, 2, 3])) for i in range(3)]
+        await asyncio.sleep(0.05)
+        await engine.abort(["a1"])
+        results = await asyncio.gather(*tasks)
+        await engine.shutdown()
+        return results
+
+    results = asyncio.run(run())
+    reasons = [chunks[-1].finish_reason for chunks in results]
+    assert reasons[0] == "length" and reasons[2] == "length" and reasons[1] == "abort"
+    assert sum(len(c.token_ids) for c in results[1]) < 25
+
+
+def test_pause_update_resume_tags_tokens_with_versions(engine):
+    async def run():
+        params = SamplingParams(max_new_tokens=25)
+        chunks = []
+
+        async def consume():
+            async for chunk in engine.generate("r", [1, 2, 3], params):
+                chunks.append(chunk)
+                if sum(len(c.token_ids) for c in chunks) == 6:
+                    await engine.pause("keep")
+                    await engine.update_weights(_biased_weights(engine, token=9).items(), version=5)
+                    await engine.resume()
+
+        await consume()
+        await engine.shutdown()
+        return chunks
+
+    chunks = asyncio.run(run())
+    tokens = [t for c in chunks for t in c.token_ids]
+    versions = [v for c in chunks for v in c.versions]
+    assert len(tokens) == 25 and chunks[-1].finish_reason == "length"
+    # The engine may run a step ahead of the consumer, so the switch is at or after token 6.
+    switch = versions.index(5)
+    assert 6 <= switch < 20
+    assert versions[:switch] == [0] * switch and versions[switch:] == [5] * (25 - switch)
+    assert tokens[switch:] == [9] * (25 - switch)  # the new weights produced every later token
+
+
+def test_pause_abort_mode_finishes_in_flight(engine):
+    async def run():
+        params = SamplingParams(max_new_tokens=25)
+        chunks = []
+        async for chunk in engine.generate("r", [1, 2, 3], params):
+            chunks.append(chunk)
+            if len(chunks) == 2:
+                await engine.pause("abort")
+        await engine.shutdown()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert chunks[-1].finish_reason == "abort"
+    assert sum(len(c.token_ids) for c in chunks) < 25

@@ -1,0 +1,49 @@
+"""Verifiable rewards and the runner that survives raising and hanging reward functions."""
+
+import time
+
+import pytest
+
+from megatron_rl.rewards import RewardRunner, digit_match, gsm8k_exact
+
+
+@pytest.mark.parametrize(
+    "completion, target, expected",
+    [("321", "321", 1.0), ("320", "321", 3 / 4), ("3210", "321", 3 / 5), ("3", "321", 1 / 4),
+     ("", "321", 0.0), (" 321 ", "321", 1.0), ("123", "321", 2 / 4), ("999", "321", 1 / 4),
+     ("99999", "321", 0.0)],
+)
+def test_digit_match(completion, target, expected):
+    assert digit_match(completion, target) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    "completion, expected",
+    [("so it is 72.\n#### 72", 1.0), ("#### 72.0", 1.0), ("#### 1,072", 0.0), ("72", 0.0),
+     ("#### 7 then #### 72", 1.0), ("#### seventy", 0.0)],
+)
+def test_gsm8k_exact(completion, expected):
+    assert gsm8k_exact(completion, "72") == expected
+
+
+def test_gsm8k_thousands():
+    assert gsm8k_exact("#### 1,072", "1072") == 1.0
+
+
+def test_runner_counts_errors_and_timeouts_and_keeps_order():
+    def flaky(completion, target):
+        if completion == "boom":
+            raise RuntimeError("bad reward code")
+        if completion == "hang":
+            time.sleep(30)
+        return float(completion == target)
+
+    runner = RewardRunner(flaky, workers=1, timeout_s=0.5)
+    start = time.perf_counter()
+    scores = runner.score_many([("a", "a"), ("boom", "a"), ("hang", "a"), ("b", "b"), ("c", "x")])
+    assert time.perf_counter() - start < 5
+    assert scores == [1.0, 0.0, 0.0, 1.0, 0.0]
+    assert runner.counts["error"] == 1 and runner.counts["timeout"] == 1 and runner.counts["ok"] == 3
+    # The runner still works after a hang: fresh workers took over.
+    assert runner.score_many([("z", "z")]) == [1.0]
+    runner.close()
