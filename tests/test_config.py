@@ -30,6 +30,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("trainer.totl_steps=5", "totl_steps"),
         ("data.name=gsm8k", "data.path is required"),
         ("learner.tp=2", "learner.tp=2 is not available yet"),
+        ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not available yet"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
     ],
 )

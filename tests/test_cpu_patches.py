@@ -2,7 +2,6 @@
 
 import subprocess
 import sys
-import threading
 
 import torch
 
@@ -10,29 +9,36 @@ from megatron_rl.models import cpu_patches
 
 
 def test_active_on_this_cpu_machine(megatron_world):
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.pipeline_parallel import schedules
+
     assert not torch.cuda.is_available()
     assert cpu_patches.apply_cpu_patches() is True
     assert cpu_patches.patches_active()
     assert torch.cuda.current_device() == "cpu"
-    assert torch.zeros(2, device="cuda").device.type == "cpu"
+    # Literal device="cuda" inside megatron modules builds on CPU ...
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert clip_grads.torch.tensor([1.0], device="cuda").device.type == "cpu"
+    assert schedules.torch.Tensor is torch.Tensor and schedules.torch.cuda is torch.cuda
+    # ... and tensors asked to move to CUDA stay put.
     assert torch.ones(1).cuda().device.type == "cpu"
     assert torch.ones(1).to("cuda").device.type == "cpu"
+    assert torch.ones(1).to(device="cuda", dtype=torch.float64).dtype == torch.float64
     # bf16 / DistributedOptimizer type check sees a "cuda" tensor type name.
     assert torch.ones(1).type() == "torch.cuda.FloatTensor"
     assert torch.ones(1).type(torch.float64).dtype == torch.float64
 
 
-def test_other_threads_enter_the_mode(megatron_world):
-    seen = {}
+def test_megatron_modules_imported_later_are_redirected(megatron_world):
+    import importlib
+    import sys
 
-    def worker():
-        cpu_patches.ensure_thread()
-        seen["device"] = torch.empty(1, device="cuda").device.type
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    assert seen["device"] == "cpu"
+    name = "megatron.core.transformer.moe.experts"
+    sys.modules.pop(name, None)
+    module = importlib.import_module(name)
+    assert module.torch is torch
+    cpu_patches.apply_cpu_patches()
+    assert module.torch is not torch and module.torch.zeros(1, device="cuda").device.type == "cpu"
 
 
 def test_rng_tracker_forks_on_cpu(megatron_world):

@@ -73,23 +73,29 @@ def test_abort_pending_and_running(engine):
     async def run():
         params = SamplingParams(max_new_tokens=25)
 
-        async def consume(rid, ids):
+        async def consume(rid, ids, abort_after_first=False):
             out = []
             async for chunk in engine.generate(rid, ids, params):
                 out.append(chunk)
+                if abort_after_first and len(out) == 1:
+                    await engine.abort([rid])
             return out
 
-        tasks = [asyncio.create_task(consume(f"a{i}", [1, 2, 3])) for i in range(3)]
-        await asyncio.sleep(0.05)
-        await engine.abort(["a1"])
-        results = await asyncio.gather(*tasks)
+        running = [asyncio.create_task(consume("a0", [1, 2, 3])),
+                   asyncio.create_task(consume("a1", [1, 2, 3], abort_after_first=True)),
+                   asyncio.create_task(consume("a2", [1, 2, 3]))]
+        await asyncio.sleep(0)
+        pending = asyncio.create_task(consume("p0", [4, 5]))  # a second bucket: waits its turn
+        await asyncio.sleep(0)
+        await engine.abort(["p0"])
+        results = await asyncio.gather(*running, pending)
         await engine.shutdown()
         return results
 
-    results = asyncio.run(run())
-    reasons = [chunks[-1].finish_reason for chunks in results]
-    assert reasons[0] == "length" and reasons[2] == "length" and reasons[1] == "abort"
-    assert sum(len(c.token_ids) for c in results[1]) < 25
+    a0, a1, a2, p0 = asyncio.run(run())
+    assert a0[-1].finish_reason == "length" and a2[-1].finish_reason == "length"
+    assert a1[-1].finish_reason == "abort" and sum(len(c.token_ids) for c in a1) < 25
+    assert len(p0) == 1 and p0[0].finish_reason == "abort" and p0[0].token_ids == []
 
 
 def test_pause_update_resume_tags_tokens_with_versions(engine):

@@ -7,14 +7,18 @@ Re-check every one of them on a megatron-core upgrade (tests/test_cpu_patches.py
 
 from __future__ import annotations
 
+import sys
 import threading
+import types
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _applied = False
 _lock = threading.Lock()
-_thread_local = threading.local()
+
+# Tensor factories that megatron-core calls with a literal device="cuda".
+_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn",
+              "randint", "eye", "zeros_like", "ones_like", "empty_like", "full_like")
 
 
 def _is_cuda_device(device: object) -> bool:
@@ -25,19 +29,42 @@ def _is_cuda_device(device: object) -> bool:
     return False
 
 
-class _CudaToCpuMode(TorchFunctionMode):
-    """Maps literal ``device="cuda"`` (schedules, causal masks, tensor_parallel/data.py, MoE aux
-    loss tracker) to CPU, and makes ``Tensor.cuda()``/``.to("cuda")`` stay on CPU."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
-            return args[0]
+def _on_cpu(factory):
+    def build(*args, **kwargs):
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
-        if func is torch.Tensor.to:
-            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
-        return func(*args, **kwargs)
+        return factory(*args, **kwargs)
+
+    build.__name__ = getattr(factory, "__name__", "factory")
+    return build
+
+
+class _TorchOnCpu(types.ModuleType):
+    """Stands in for the ``torch`` global of megatron-core modules: the same module, except that
+    tensor factories asked for device "cuda" (schedules' token counters, causal masks, optimizer
+    and grad-clipping buffers, tensor_parallel/data.py, the MoE aux-loss tracker) build on CPU.
+    Replacing the module global costs nothing per op, unlike a TorchFunctionMode, which
+    intercepted every torch call (measured: most of a tiny_cpu step)."""
+
+    def __init__(self):
+        super().__init__("torch")
+        self.__dict__.update({name: _on_cpu(getattr(torch, name)) for name in _FACTORIES})
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_TORCH_ON_CPU = None
+
+
+def _redirect_megatron_modules() -> int:
+    """Point the ``torch`` global of every loaded megatron module at the CPU stand-in."""
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and getattr(module, "torch", None) is torch:
+            module.torch = _TORCH_ON_CPU
+            count += 1
+    return count
 
 
 class _DummyStream:
@@ -78,25 +105,20 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def ensure_thread() -> None:
-    """Enter the cuda→cpu function mode in the calling thread (torch keeps modes per thread)."""
-    if not _applied or getattr(_thread_local, "mode", None) is not None:
-        return
-    mode = _CudaToCpuMode()
-    mode.__enter__()
-    _thread_local.mode = mode
-
-
 def apply_cpu_patches() -> bool:
-    """Apply every patch once when CUDA is absent; return whether patches are active."""
-    global _applied
+    """Apply every patch once when CUDA is absent; return whether patches are active.
+
+    Safe to call often: each call also redirects megatron modules imported since the last one.
+    """
+    global _applied, _TORCH_ON_CPU
     if cuda_available():
         return False
     with _lock:
         if not _applied:
+            _TORCH_ON_CPU = _TorchOnCpu()
             _patch_process()
             _applied = True
-    ensure_thread()
+        _redirect_megatron_modules()
     return True
 
 
@@ -104,9 +126,34 @@ def patches_active() -> bool:
     return _applied
 
 
+def _import_megatron() -> None:
+    """Load the megatron-core modules we use, so that their ``torch`` global can be redirected."""
+    import megatron.core.dist_checkpointing  # noqa: F401
+    import megatron.core.distributed.finalize_model_grads  # noqa: F401
+    import megatron.core.inference.contexts  # noqa: F401
+    import megatron.core.models.gpt  # noqa: F401
+    import megatron.core.optimizer  # noqa: F401
+    import megatron.core.pipeline_parallel.schedules  # noqa: F401
+    import megatron.core.tensor_parallel  # noqa: F401
+    import megatron.core.transformer.moe.moe_layer  # noqa: F401
+
+
 def _patch_process() -> None:
+    _import_megatron()
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    # Tensor.cuda()/.to("cuda") stay on CPU (optimizer state loading, a few helpers).
+    original_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return original_to(self, *args, **kwargs)
+
+    torch.Tensor.to = to
+    torch.Tensor.cuda = lambda self, *a, **k: self
 
     # RNG tracker: route Megatron's CUDA RNG state helpers to the CPU generator.
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()

@@ -20,7 +20,6 @@ from typing import AsyncIterator, Deque, Dict, Iterable, List, Optional, Sequenc
 import torch
 
 from ...config.schema import ModelConfig
-from ...models.cpu_patches import ensure_thread
 from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
@@ -61,7 +60,7 @@ class EmbeddedEngine(RolloutEngine):
         self._gen = KVCachedGenerator(self.model, max_batch_size, model_cfg.max_position_embeddings,
                                       self.device, seed=seed)
         self._version = version
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="embedded-engine", initializer=ensure_thread)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="embedded-engine")
         self._pending: Deque[_Request] = deque()
         self._running: Dict[str, _Request] = {}
         self._aborted: Set[str] = set()

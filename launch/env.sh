@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (first time) and refresh the project's virtual environment in .venv: the pinned
+# requirements (CPU torch 2.13.0, megatron-core 0.16.1, ...), the test extras, and this package
+# in editable mode. Re-installs only when requirements*.txt or setup.py change.
+# Source it (`source launch/env.sh`) or run it; it sets VENV_PYTHON.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${MEGATRON_RL_VENV:-$ROOT/.venv}"
+BASE_PYTHON="${PYTHON:-$(command -v python3.11 || command -v python3)}"
+
+if ! "$BASE_PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+  echo "megatron_rl: error: Python >= 3.11 is required ($BASE_PYTHON is $("$BASE_PYTHON" -V 2>&1)); set PYTHON=/path/to/python3.11" >&2
+  exit 2
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "megatron_rl: creating virtual environment $VENV" >&2
+  "$BASE_PYTHON" -m venv "$VENV"
+fi
+STAMP="$VENV/.megatron_rl_installed"
+WANT="$(cat "$ROOT/requirements.txt" "$ROOT/requirements-test.txt" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
+  echo "megatron_rl: installing pinned requirements into $VENV (first run: about a minute)" >&2
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+    -r "$ROOT/requirements.txt" -r "$ROOT/requirements-test.txt"
+  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT"
+  echo "$WANT" > "$STAMP"
+fi
+export VENV_PYTHON="$VENV/bin/python"
