@@ -3,11 +3,15 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_rl.models import cpu_patches
 
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU patches apply only without CUDA")
 
+
+@cpu_only
 def test_active_on_this_cpu_machine(megatron_world):
     from megatron.core.optimizer import clip_grads
     from megatron.core.pipeline_parallel import schedules
@@ -29,6 +33,7 @@ def test_active_on_this_cpu_machine(megatron_world):
     assert torch.ones(1).type(torch.float64).dtype == torch.float64
 
 
+@cpu_only
 def test_megatron_modules_imported_later_are_redirected(megatron_world):
     import importlib
     import sys
@@ -41,6 +46,7 @@ def test_megatron_modules_imported_later_are_redirected(megatron_world):
     assert module.torch is not torch and module.torch.zeros(1, device="cuda").device.type == "cpu"
 
 
+@cpu_only
 def test_rng_tracker_forks_on_cpu(megatron_world):
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 

@@ -40,12 +40,12 @@ def _biased_weights(engine: EmbeddedEngine, token: int):
     return hf
 
 
-def test_length_stop_and_batches_by_prompt_length(engine):
+def test_length_stop_and_mixed_prompt_lengths_share_a_batch(engine):
     params = SamplingParams(max_new_tokens=5)
-    trajs = asyncio.run(generate_all(engine, [[1, 2], [1, 2, 3], [4, 5], [6, 7, 8]], params))
+    trajs = asyncio.run(generate_all(engine, [[1, 2], [1, 2, 3], [4, 5], [6, 7, 8, 9, 10]], params))
     assert [t.finish_reason for t in trajs] == ["length"] * 4
     assert all(len(t.response_ids) == 5 and len(t.logprobs) == 5 for t in trajs)
-    assert engine.stats.batches == 2  # two prompt lengths -> two buckets
+    assert engine.stats.batches == 1  # left padding: one batch for all prompt lengths
 
 
 def test_eos_stop(engine):
@@ -85,7 +85,7 @@ def test_abort_pending_and_running(engine):
                    asyncio.create_task(consume("a1", [1, 2, 3], abort_after_first=True)),
                    asyncio.create_task(consume("a2", [1, 2, 3]))]
         await asyncio.sleep(0)
-        pending = asyncio.create_task(consume("p0", [4, 5]))  # a second bucket: waits its turn
+        pending = asyncio.create_task(consume("p0", [4, 5]))  # arrives mid-batch: waits its turn
         await asyncio.sleep(0)
         await engine.abort(["p0"])
         results = await asyncio.gather(*running, pending)

@@ -1,7 +1,7 @@
 """The embedded rollout engine: our Megatron GPTModel, KV-cached, behind the async RolloutEngine API.
 
-A single background task forms batches of waiting requests (one bucket = equal prompt length and
-equal sampling params, oldest request first), runs prefill and decode steps on a dedicated
+A single background task forms batches of waiting requests (requests with equal sampling params,
+oldest first, prompts left-padded), runs prefill and decode steps on a dedicated
 compute thread (so the event loop stays free for rewards and the trainer), and streams each
 step's tokens to the requests. Pause, abort and weight swaps take effect between decode steps;
 every token is tagged with the weight version that produced it.
@@ -38,8 +38,8 @@ class _Request:
     emitted: int = 0
 
     @property
-    def bucket(self) -> Tuple[int, SamplingParams]:
-        return len(self.prompt_ids), self.params
+    def bucket(self) -> SamplingParams:
+        return self.params
 
 
 @dataclass
@@ -218,7 +218,7 @@ class EmbeddedEngine(RolloutEngine):
         self.stats.batches += 1
         for req in batch:
             self._running[req.request_id] = req
-        state = BatchState([r.request_id for r in batch], batch[0].params, len(batch[0].prompt_ids))
+        state = BatchState([r.request_id for r in batch], batch[0].params)
         started = False
         while True:
             # Aborts first: a request aborted while the engine is paused must finish now.
