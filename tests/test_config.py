@@ -30,13 +30,14 @@ def test_tiny_cpu_loads_and_overrides():
         ("trainer.totl_steps=5", "totl_steps"),
         ("data.name=gsm8k", "data.path is required"),
         ("learner.tp=2", "learner.tp=2 is not available yet"),
+        ("data.distinct_digits=true data.digits=0123 data.max_digits=5", "exceeds the 4 distinct symbols"),
         ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not available yet"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):
     with pytest.raises(ConfigError) as info:
-        load_config("tiny_cpu", [override])
+        load_config("tiny_cpu", override.split())
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
@@ -71,3 +72,14 @@ def test_cli_print_config():
     result = _cli("--print-config", "trainer.total_steps=3")
     assert result.returncode == 0, result.stderr
     assert "total_steps: 3" in result.stdout
+
+
+def test_cli_malformed_row_prints_one_error_line(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?"}\n')
+    result = _cli("data.name=gsm8k", f"data.path={data}", "data.tokenizer=bpe", "data.template=qa",
+                  f"trainer.run_dir={tmp_path}/run")
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("megatron_rl: error: ") and "train.jsonl:2: missing field 'answer'" in last
+    assert "Traceback" not in result.stderr

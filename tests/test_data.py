@@ -43,6 +43,14 @@ def test_digit_task_targets():
         assert p.prompt_ids[0] == tok.bos_id and tok.decode(p.prompt_ids) == p.text
 
 
+def test_digit_task_distinct_digits():
+    tok = char_tokenizer("0123456789=")
+    task = iter(DigitTask("reverse_digits", tok, "0123456789", 5, 5, seed=0, distinct=True))
+    strings = [next(task).text[:-1] for _ in range(200)]
+    assert all(len(set(s)) == 5 for s in strings)
+    assert len(set(strings)) > 150
+
+
 @pytest.mark.skipif(not GSM8K.exists(), reason="shared GSM8K data not present")
 def test_gsm8k_loads_with_answers():
     rows = read_jsonl(str(GSM8K / "test.jsonl"), ["question", "answer"])

@@ -108,6 +108,8 @@ class DataConfig:
     min_digits: int = 3
     max_digits: int = 5
     digits: str = "0123456789"
+    # Draw each string's digits without repetition (every digit appears at most once).
+    distinct_digits: bool = False
     # plain | qa (Question/Answer framing for text datasets)
     template: str = "plain"
     # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)

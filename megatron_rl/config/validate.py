@@ -109,6 +109,11 @@ def validate(cfg: RootConfig) -> RootConfig:
     d = cfg.data
     if d.max_digits < d.min_digits:
         raise ConfigError(f"data.max_digits={d.max_digits} must be >= data.min_digits={d.min_digits}")
+    if d.distinct_digits and d.max_digits > len(set(d.digits)):
+        raise ConfigError(
+            f"data.max_digits={d.max_digits} exceeds the {len(set(d.digits))} distinct symbols of "
+            f"data.digits={d.digits!r}; lower it or set data.distinct_digits=false"
+        )
     if d.name in ("gsm8k", "jsonl") and not d.path:
         raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl")
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens

@@ -116,11 +116,13 @@ class JsonlPrompts:
 class DigitTask:
     """Endless synthetic prompts: ``<bos>d1..dn=``; the answer is the digits reversed or sorted."""
 
-    def __init__(self, task: str, tokenizer: Tokenizer, digits: str, min_len: int, max_len: int, seed: int):
+    def __init__(self, task: str, tokenizer: Tokenizer, digits: str, min_len: int, max_len: int, seed: int,
+                 distinct: bool = False):
         if task not in ("reverse_digits", "sort_digits"):
             raise ValueError(f"unknown digit task {task!r}")
         self.task, self.tokenizer, self.digits = task, tokenizer, digits
         self.min_len, self.max_len = min_len, max_len
+        self.distinct = distinct
         self.rng = random.Random(seed)
 
     def target(self, s: str) -> str:
@@ -129,7 +131,11 @@ class DigitTask:
     def __iter__(self) -> Iterator[Prompt]:
         n = 0
         while True:
-            s = "".join(self.rng.choice(self.digits) for _ in range(self.rng.randint(self.min_len, self.max_len)))
+            n = self.rng.randint(self.min_len, self.max_len)
+            if self.distinct:
+                s = "".join(self.rng.sample(sorted(set(self.digits)), n))
+            else:
+                s = "".join(self.rng.choice(self.digits) for _ in range(n))
             text = s + "="
             yield Prompt(f"{self.task}-{n}", text, [self.tokenizer.bos_id] + self.tokenizer.encode(text), self.target(s))
             n += 1
