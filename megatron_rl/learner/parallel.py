@@ -21,17 +21,21 @@ def free_port() -> int:
 
 
 def init_distributed() -> None:
-    """Join the torchrun world if launched by torchrun; otherwise form a world of one process."""
+    """Join the torchrun world if launched by torchrun; otherwise form a world of one process.
+
+    A world of one uses a private TCP port and leaves the environment untouched, so processes
+    this one starts (tests, tools) do not inherit a rendezvous address already in use.
+    """
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     backend = "nccl" if cuda_available() else "gloo"
     if cuda_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend=backend)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend=backend)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1)
     logger.info("torch.distributed up: backend=%s world=%d", backend, dist.get_world_size())
 
 
