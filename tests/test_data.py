@@ -51,8 +51,22 @@ def test_digit_task_distinct_digits():
     assert len(set(strings)) > 150
 
 
-@pytest.mark.skipif(not GSM8K.exists(), reason="shared GSM8K data not present")
-def test_gsm8k_loads_with_answers():
+def test_gsm8k_sample_rows_load_with_rewardable_answers():
+    from megatron_rl.rewards import gsm8k_exact
+
+    path = str(Path(__file__).parent / "data" / "gsm8k_sample.jsonl")
+    rows = read_jsonl(path, ["question", "answer"])
+    tok = train_bpe((r["question"] + r["answer"] for r in rows), 400)
+    prompts = JsonlPrompts(path, tok, "question", "answer", "qa", 512, seed=0, shuffle=False, gsm8k=True).prompts
+    assert [p.target for p in prompts] == ["18", "3", "70000", "540", "20"]
+    # The reference solution itself earns full reward; a wrong final number earns none.
+    for row, prompt in zip(rows, prompts):
+        assert gsm8k_exact(row["answer"], prompt.target) == 1.0
+        assert gsm8k_exact("#### 123456789", prompt.target) == 0.0
+
+
+@pytest.mark.skipif(not GSM8K.exists(), reason="the full GSM8K files in ../shared/data are not on this machine")
+def test_gsm8k_full_split_loads():
     rows = read_jsonl(str(GSM8K / "test.jsonl"), ["question", "answer"])
     assert len(rows) == 1319
     tok = train_bpe((r["question"] for r in rows[:200]), 512)

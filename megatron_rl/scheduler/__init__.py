@@ -1,0 +1,1 @@
+"""Staleness manager, prompt ledger, async controller, policy-version bookkeeping."""

@@ -1,0 +1,129 @@
+"""Where every prompt is at any moment: queued, running, buffered (finished), consumed, or
+returned to the queue. Nothing admitted is ever silently dropped: each admission (a Ticket)
+ends exactly once, consumed by a training step or returned to be retried.
+
+The ledger is pure bookkeeping (no asyncio, no model), so property tests can drive it through
+any interleaving of finishes, failures and training steps.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Deque, Dict, Iterator, List, Optional, Sequence
+
+from ..data.datasets import Prompt
+from ..types import Trajectory
+from .staleness import StalenessManager
+
+
+@dataclass
+class Ticket:
+    """One admission of one prompt (a group of rollouts)."""
+
+    index: int          # admission order, unique
+    prompt: Prompt
+    version: int        # policy version when admitted
+    attempt: int = 1
+
+
+@dataclass
+class FinishedGroup:
+    ticket: Ticket
+    trajectories: List[Trajectory]
+
+    @property
+    def oldest_version(self) -> int:
+        """The version of the group's oldest token (the admission version if none were made)."""
+        versions = [v for t in self.trajectories for v in t.versions]
+        return min(versions) if versions else self.ticket.version
+
+
+@dataclass
+class PromptLedger:
+    source: Iterator[Prompt]
+    staleness: StalenessManager
+    retry_queue: Deque[Prompt] = field(default_factory=deque)
+    running: Dict[int, Ticket] = field(default_factory=dict)
+    buffer: List[FinishedGroup] = field(default_factory=list)
+    counts: Counter = field(default_factory=Counter)
+    _next_index: int = 0
+    # Admissions per prompt uid (a retried prompt is admitted again).
+    attempts: Dict[str, int] = field(default_factory=dict)
+
+    # -------------------------------------------------------------- admission
+    def can_admit(self, version: int) -> bool:
+        return self.staleness.capacity(version) > 0
+
+    def admit(self, version: int) -> Optional[Ticket]:
+        """Start a group if the staleness rule allows; retried prompts go first."""
+        if not self.can_admit(version):
+            return None
+        if self.retry_queue:
+            prompt = self.retry_queue.popleft()
+        else:
+            try:
+                prompt = next(self.source)
+            except StopIteration:
+                return None
+        attempt = self.attempts.get(prompt.uid, 0) + 1
+        self.attempts[prompt.uid] = attempt
+        ticket = Ticket(self._next_index, prompt, version, attempt)
+        self._next_index += 1
+        self.running[ticket.index] = ticket
+        self.staleness.on_submit()
+        self.counts["admitted"] += 1
+        return ticket
+
+    # -------------------------------------------------------------- outcomes
+    def finish(self, ticket: Ticket, trajectories: Sequence[Trajectory]) -> None:
+        self._release(ticket)
+        self.staleness.on_accept()
+        self.buffer.append(FinishedGroup(ticket, list(trajectories)))
+        self.counts["finished"] += 1
+
+    def fail(self, ticket: Ticket, reason: str = "error") -> None:
+        """The group could not be completed (engine died, request aborted): retry the prompt."""
+        self._release(ticket)
+        self.staleness.on_reject()
+        self.retry_queue.append(ticket.prompt)
+        self.counts["returned"] += 1
+        self.counts[f"returned_{reason}"] += 1
+
+    def take_batch(self, version: int) -> Optional[List[FinishedGroup]]:
+        """B finished groups, oldest admissions first, none staler than η at ``version``.
+
+        Groups already too stale are evicted and their prompts retried.
+        """
+        limit = self.staleness.max_staleness
+        fresh = []
+        for group in self.buffer:
+            if version - group.oldest_version > limit:
+                self.staleness.on_evict()
+                self.retry_queue.append(group.ticket.prompt)
+                self.counts["returned"] += 1
+                self.counts["returned_stale"] += 1
+            else:
+                fresh.append(group)
+        self.buffer = fresh
+        size = self.staleness.groups_per_batch
+        if len(self.buffer) < size:
+            return None
+        self.buffer.sort(key=lambda g: g.ticket.index)
+        batch, self.buffer = self.buffer[:size], self.buffer[size:]
+        self.counts["consumed"] += size
+        return batch
+
+    def _release(self, ticket: Ticket) -> None:
+        if self.running.pop(ticket.index, None) is None:
+            raise RuntimeError(f"ticket {ticket.index} ({ticket.prompt.uid}) is not running")
+
+    # -------------------------------------------------------------- state
+    @property
+    def in_flight(self) -> int:
+        return len(self.running)
+
+    def balanced(self) -> bool:
+        """Each admission is running, buffered, consumed or returned: exactly one of them."""
+        c = self.counts
+        return c["admitted"] == self.in_flight + len(self.buffer) + c["consumed"] + c["returned"]

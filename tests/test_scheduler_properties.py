@@ -1,0 +1,132 @@
+"""Property tests: the staleness manager and prompt ledger under random interleavings of
+generation lengths (long-tailed), reward delays, failures and training times."""
+
+import heapq
+import itertools
+from collections import Counter
+
+from hypothesis import given, settings, strategies as st
+
+from megatron_rl.data.datasets import Prompt
+from megatron_rl.scheduler.ledger import PromptLedger
+from megatron_rl.scheduler.staleness import StalenessManager
+from megatron_rl.types import Trajectory
+
+
+def _prompts():
+    for i in itertools.count():
+        yield Prompt(f"p{i}", "", [1], "")
+
+
+def _group(ticket, token_version):
+    return [Trajectory(ticket.prompt.uid, 0, [1], [2, 3], [-1.0, -1.0], [token_version] * 2, "stop")]
+
+
+@st.composite
+def workloads(draw):
+    return dict(
+        eta=draw(st.integers(0, 4)),
+        batch=draw(st.integers(1, 4)),
+        concurrent=draw(st.integers(1, 24)),
+        steps=draw(st.integers(1, 12)),
+        # Long-tailed generation times: mostly short, sometimes 50x longer.
+        gen=draw(st.lists(st.sampled_from([1, 1, 2, 3, 5, 50]), min_size=1, max_size=40)),
+        reward=draw(st.lists(st.integers(0, 5), min_size=1, max_size=40)),
+        train=draw(st.lists(st.integers(1, 30), min_size=1, max_size=12)),
+        fail=draw(st.lists(st.booleans(), min_size=1, max_size=40)),
+        fail_rate=draw(st.sampled_from([0, 0, 5, 3])),  # every k-th admission fails (0: none)
+        # Groups may start generating a few versions after admission (queued in the engine).
+        queue_delay=draw(st.integers(0, 1)),
+    )
+
+
+def simulate(w):
+    """A discrete-event run of the controller policy; returns what was trained and the ledger."""
+    manager = StalenessManager(w["eta"], w["batch"], w["concurrent"])
+    ledger = PromptLedger(_prompts(), manager)
+    clock, version, events, seq = 0, 0, [], itertools.count()
+    training = False
+    trained_staleness, consumed = [], Counter()
+    steps_done = 0
+    pick = lambda xs, i: xs[i % len(xs)]  # noqa: E731
+
+    while steps_done < w["steps"]:
+        while (ticket := ledger.admit(version)) is not None:
+            i = ticket.index
+            failed = w["fail_rate"] and (i + 1) % w["fail_rate"] == 0
+            done = clock + pick(w["gen"], i) + pick(w["reward"], i)
+            token_version = version + (w["queue_delay"] if i % 2 else 0)
+            heapq.heappush(events, (done, next(seq), "fail" if failed else "finish", ticket, token_version))
+        if not training:
+            batch = ledger.take_batch(version)
+            if batch is not None:
+                for group in batch:
+                    trained_staleness.append(version - group.oldest_version)
+                    consumed[group.ticket.prompt.uid] += 1
+                training = True
+                heapq.heappush(events, (clock + pick(w["train"], steps_done), next(seq), "trained", None, None))
+        assert ledger.balanced()
+        assert manager.running == ledger.in_flight >= 0
+        if not events:
+            raise AssertionError(f"deadlock at version {version}: {ledger.counts}")
+        clock, _, kind, ticket, token_version = heapq.heappop(events)
+        if kind == "finish":
+            # A queued group cannot have tokens from a version that does not exist yet.
+            ledger.finish(ticket, _group(ticket, min(token_version, version)))
+        elif kind == "fail":
+            ledger.fail(ticket, "engine")
+        else:
+            training = False
+            version += 1
+            steps_done += 1
+    return trained_staleness, consumed, ledger, version
+
+
+@settings(max_examples=3000, deadline=None)
+@given(workloads())
+def test_no_trained_sample_exceeds_eta_nothing_lost_no_deadlock(w):
+    staleness, consumed, ledger, version = simulate(w)
+    assert version == w["steps"]
+    assert len(staleness) == w["steps"] * w["batch"]
+    assert all(0 <= s <= w["eta"] for s in staleness), (staleness, w["eta"])
+    assert all(n == 1 for n in consumed.values())  # each prompt trained at most once
+    assert ledger.balanced()
+    # Every prompt ever admitted is either consumed (once) or still waiting: running, buffered,
+    # or returned to the queue for a retry. Never both, never neither.
+    waiting = [t.prompt.uid for t in ledger.running.values()]
+    waiting += [g.ticket.prompt.uid for g in ledger.buffer]
+    waiting += [p.uid for p in ledger.retry_queue]
+    assert len(waiting) == len(set(waiting))
+    assert not set(waiting) & set(consumed)
+    assert set(ledger.attempts) == set(waiting) | set(consumed)
+
+
+def test_eta_zero_generates_one_batch_per_version():
+    manager = StalenessManager(max_staleness=0, groups_per_batch=3, max_concurrent=100)
+    ledger = PromptLedger(_prompts(), manager)
+    tickets = [ledger.admit(0) for _ in range(4)]
+    assert [t is not None for t in tickets] == [True, True, True, False]
+    for t in tickets[:3]:
+        ledger.finish(t, _group(t, 0))
+    assert [g.ticket.index for g in ledger.take_batch(0)] == [0, 1, 2]
+    assert ledger.admit(0) is None and ledger.admit(1) is not None
+
+
+def test_failed_group_is_retried_first():
+    manager = StalenessManager(max_staleness=1, groups_per_batch=2, max_concurrent=100)
+    ledger = PromptLedger(_prompts(), manager)
+    first = ledger.admit(0)
+    ledger.fail(first, "engine")
+    again = ledger.admit(0)
+    assert again.prompt.uid == first.prompt.uid and again.attempt == 2
+    assert ledger.counts["returned_engine"] == 1 and ledger.balanced()
+
+
+def test_stale_group_is_evicted_and_retried():
+    manager = StalenessManager(max_staleness=1, groups_per_batch=1, max_concurrent=100)
+    ledger = PromptLedger(_prompts(), manager)
+    old = ledger.admit(0)
+    ledger.finish(old, _group(old, 0))
+    assert ledger.take_batch(2) is None  # 2 - 0 > η = 1
+    assert ledger.counts["returned_stale"] == 1 and list(ledger.retry_queue)[0].uid == old.prompt.uid
+    assert manager.accepted == 0 and ledger.balanced()
