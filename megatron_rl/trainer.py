@@ -11,7 +11,7 @@ import logging
 import random
 import time
 from itertools import islice
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from .models.gpt import padded_vocab_size
 from .rewards import REWARDS, RewardRunner
 from .rollout.embedded import EmbeddedEngine
 from .rollout.workflow import single_turn
+from .scheduler.controller import AsyncController, GroupFailed
+from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket
+from .scheduler.staleness import StalenessManager
 from .telemetry.metrics import MetricsWriter, Timeline
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
@@ -69,6 +72,10 @@ class Trainer:
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
         self.version = 0
+        sc = cfg.scheduler
+        self.ledger = PromptLedger(self.prompts, StalenessManager(
+            sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts))
+        self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish)
         logger.info("run directory: %s", self.run_dir)
 
     # ------------------------------------------------------------------ pieces of a step
@@ -107,8 +114,35 @@ class Trainer:
                 "response": self.tokenizer.decode_response(traj.response_ids),
                 "finish_reason": traj.finish_reason, "reward": traj.reward}) + "\n")
 
-    # ------------------------------------------------------------------ the loop
-    async def train_step(self, step: int) -> Dict[str, float]:
+    def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
+        """Reward, length and staleness statistics of one training batch."""
+        rewards = np.array([t.reward for t in flat])
+        lengths = np.array([len(t.response_ids) for t in flat])
+        staleness = np.array([train_version - t.oldest_version for t in flat if t.versions])
+        return {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/solved_fraction": float((rewards >= 1.0).mean()),
+            "reward/errors": float(self.rewards.counts["error"]),
+            "reward/timeouts": float(self.rewards.counts["timeout"]),
+            "response/length_mean": float(lengths.mean()),
+            "response/truncated_fraction": float(np.mean([t.finish_reason == "length" for t in flat])),
+            "staleness/mean": float(staleness.mean()) if staleness.size else 0.0,
+            "staleness/max": float(staleness.max()) if staleness.size else 0.0,
+            "staleness/histogram": np.bincount(staleness.astype(int), minlength=self.cfg.scheduler.max_staleness + 1).tolist()
+            if staleness.size else [],
+            "policy/version": float(train_version + 1),
+        }
+
+    def tokens(self, flat: Sequence[Trajectory]) -> Tuple[int, int]:
+        """(generated tokens, trained tokens) of a batch."""
+        generated = sum(len(t.response_ids) for t in flat)
+        return generated, generated + sum(len(t.prompt_ids) for t in flat)
+
+    # ------------------------------------------------------------------ synchronous loop
+    async def sync_step(self, step: int) -> Dict[str, float]:
+        """Generate one batch with the current weights, score, train, publish: the reference
+        loop (``scheduler.mode=sync``) that the asynchronous controller must match at η = 0."""
         cfg = self.cfg
         t0 = time.perf_counter()
         prompts = list(islice(self.prompts, cfg.algo.groups_per_batch))
@@ -121,53 +155,113 @@ class Trainer:
         self.log_samples(step, prompts, groups)
         t2 = time.perf_counter()
         flat = [t for grp in groups for t in grp]
+        metrics = self.batch_metrics(flat, self.version)
         with self.timeline.span("train", step=step):
-            metrics = self.learner.train_step(flat, cfg.rollout.temperature, lr_at(cfg, step))
+            metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr_at(cfg, step)))
         self.version += 1
         t3 = time.perf_counter()
         with self.timeline.span("sync", step=step, version=self.version):
             await self.sync_weights()
         t4 = time.perf_counter()
-        rewards = np.array([t.reward for t in flat])
-        lengths = np.array([len(t.response_ids) for t in flat])
-        gen_tokens = int(lengths.sum())
-        train_tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in flat)
+        gen_tokens, train_tokens = self.tokens(flat)
         metrics.update({
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/solved_fraction": float((rewards >= 1.0).mean()),
-            "reward/errors": float(self.rewards.counts["error"]),
-            "reward/timeouts": float(self.rewards.counts["timeout"]),
-            "response/length_mean": float(lengths.mean()),
-            "response/truncated_fraction": float(np.mean([t.finish_reason == "length" for t in flat])),
             "perf/generate_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
             "perf/train_tokens_per_s": train_tokens / max(t3 - t2, 1e-9),
-            "perf/step_tokens_per_s": (gen_tokens + train_tokens) / max(t4 - t0, 1e-9),
             "time/generate_s": t1 - t0,
             "time/reward_s": t2 - t1,
             "time/train_s": t3 - t2,
             "time/sync_s": t4 - t3,
-            "time/step_s": t4 - t0,
-            "policy/version": float(self.version),
         })
         return metrics
+
+    # ------------------------------------------------------------------ asynchronous pieces
+    async def rollout_group(self, ticket: Ticket) -> List[Trajectory]:
+        """G samples of one prompt, scored; an aborted sample fails the group (prompt retried)."""
+        g, p = self.cfg.algo.group_size, ticket.prompt
+        with self.timeline.span("generate", group=ticket.index):
+            trajs = await asyncio.gather(*(
+                single_turn(self.engine, p, i, self.params, f"g{ticket.index}-{p.uid}-{i}") for i in range(g)))
+        aborted = sum(t.finish_reason == "abort" for t in trajs)
+        if aborted:
+            raise GroupFailed(f"{aborted} of {g} samples aborted")
+        with self.timeline.span("reward", group=ticket.index):
+            scores = await asyncio.gather(*(
+                self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target) for t in trajs))
+        for traj, score in zip(trajs, scores):
+            traj.reward = score
+        return list(trajs)
+
+    def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
+        """Runs on the learner thread while rollouts continue."""
+        step = version + 1
+        lists = [g.trajectories for g in groups]
+        self.assign_advantages(lists)
+        self.log_samples(step, [g.ticket.prompt for g in groups], lists)
+        flat = [t for grp in lists for t in grp]
+        metrics = self.batch_metrics(flat, version)
+        with self.timeline.span("train", step=step):
+            metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr_at(self.cfg, step)))
+        return metrics
+
+    async def publish(self, version: int) -> None:
+        with self.timeline.span("sync", version=version):
+            self.version = version
+            await self.sync_weights()
+
+    # ------------------------------------------------------------------ the run
+    def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
+                   progress: Progress) -> None:
+        cfg = self.cfg.trainer
+        history.append(metrics)
+        self.metrics.write(step, metrics)
+        progress.update(step, metrics)
+        if step % cfg.log_interval == 0 or step == cfg.total_steps:
+            logger.info("step %d/%d reward %.3f loss %.4f entropy %.3f len %.1f staleness %.2f %.2fs",
+                        step, cfg.total_steps, metrics["reward/mean"], metrics["train/loss"],
+                        metrics["train/entropy"], metrics["response/length_mean"],
+                        metrics["staleness/mean"], metrics["time/step_s"])
+        if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
+            self.save(step)
 
     async def _run(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
         await self.sync_weights()  # the engine starts from the learner's initial weights
         history: List[Dict[str, float]] = []
+        last = [time.perf_counter(), 0]  # wall time and engine tokens at the previous step
+
+        def on_step(step: int, metrics: Dict[str, float], batch) -> None:
+            now = time.perf_counter()
+            interval = max(now - last[0], 1e-9)
+            gen_tokens, train_tokens = self.tokens([t for g in batch for t in g.trajectories])
+            engine_tokens = self.engine.stats.tokens
+            metrics.update({
+                "time/step_s": interval,
+                "perf/step_tokens_per_s": (gen_tokens + train_tokens) / interval,
+                # Everything the engine generated since the last step, including rollouts
+                # that will train later (or be returned).
+                "perf/generate_tokens_per_s": (engine_tokens - last[1]) / interval,
+                "perf/train_tokens_per_s": train_tokens / max(metrics["time/train_s"], 1e-9),
+                "queue/retry": float(len(self.ledger.retry_queue)),
+                "queue/buffered_groups": float(len(self.ledger.buffer)),
+                "queue/running_groups": float(self.ledger.in_flight),
+                "queue/returned_total": float(self.ledger.counts["returned"]),
+                "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
+            })
+            last[0], last[1] = now, engine_tokens
+            self.after_step(step, metrics, history, progress)
+
+        self.started = time.perf_counter()
         with Progress(cfg.total_steps, enabled=cfg.progress) as progress:
-            for step in range(1, cfg.total_steps + 1):
-                metrics = await self.train_step(step)
-                history.append(metrics)
-                self.metrics.write(step, metrics)
-                progress.update(step, metrics)
-                if step % cfg.log_interval == 0 or step == cfg.total_steps:
-                    logger.info("step %d/%d reward %.3f loss %.4f entropy %.3f len %.1f %.2fs",
-                                step, cfg.total_steps, metrics["reward/mean"], metrics["train/loss"],
-                                metrics["train/entropy"], metrics["response/length_mean"], metrics["time/step_s"])
-                if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
-                    self.save(step)
+            if self.cfg.scheduler.mode == "sync":
+                for step in range(1, cfg.total_steps + 1):
+                    t0 = time.perf_counter()
+                    metrics = await self.sync_step(step)
+                    metrics["time/step_s"] = time.perf_counter() - t0
+                    self.after_step(step, metrics, history, progress)
+            else:
+                await self.controller.run(cfg.total_steps, on_step)
+                await self.engine.abort()
+                await self.controller.drain()
         if cfg.save_final_checkpoint:
             self.save(cfg.total_steps)
         await self.engine.shutdown()

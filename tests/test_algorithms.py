@@ -73,3 +73,32 @@ def test_kl_estimators_agree_in_expectation():
 def test_kl_unknown_estimator():
     with pytest.raises(ValueError, match="k1, k2 or k3"):
         kl_penalty(torch.zeros(1), torch.zeros(1), "k9")
+
+
+def test_decoupled_ppo_hand_computed():
+    from megatron_rl.algorithms.policy_loss import decoupled_ppo_loss
+
+    f = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    behav = f([0.25, 0.5, 0.1]).log()
+    prox = f([0.5, 0.5, 0.5]).log()   # w = 2, 1, 5
+    new = f([0.6, 0.25, 0.5]).log()   # r = 1.2, 0.5, 1
+    adv = f([1.0, -1.0, 1.0])
+    mask = f([1.0, 1.0, 1.0])
+    loss, stats = decoupled_ppo_loss(new, prox, behav, adv, mask, clip_low=0.2, clip_high=0.3,
+                                     behaviour_weight_cap=4.0)
+    # tok0: w=2, r=1.2 inside the clip range: -2·1.2. tok1: w=1, A<0, r=0.5 clipped to 0.8: 0.8.
+    # tok2: w=5 > cap 4: left out.
+    assert torch.allclose(loss, f([-2.4, 0.8, 0.0]))
+    assert stats["capped_tokens"].item() == 1.0
+
+
+def test_decoupled_equals_ppo_when_behaviour_is_proximal():
+    from megatron_rl.algorithms.policy_loss import decoupled_ppo_loss
+
+    torch.manual_seed(0)
+    old = torch.randn(6, dtype=torch.float64) - 2
+    new = old + 0.3 * torch.randn(6, dtype=torch.float64)
+    adv, mask = torch.randn(6, dtype=torch.float64), torch.ones(6, dtype=torch.float64)
+    a, _ = decoupled_ppo_loss(new, old, old, adv, mask, 0.2, 0.28, behaviour_weight_cap=5.0)
+    b, _ = ppo_clip_loss(new, old, adv, mask, 0.2, 0.28)
+    assert torch.equal(a, b)

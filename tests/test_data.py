@@ -35,8 +35,9 @@ def test_digit_task_targets():
     tok = char_tokenizer("0123456789=")
     rev = iter(DigitTask("reverse_digits", tok, "0123456789", 3, 5, seed=0))
     srt = iter(DigitTask("sort_digits", tok, "0123456789", 3, 5, seed=0))
-    for _ in range(20):
+    for i in range(20):
         p, q = next(rev), next(srt)
+        assert p.uid == f"reverse_digits-{i}" and q.uid == f"sort_digits-{i}"  # unique, in order
         digits = p.text[:-1]
         assert 3 <= len(digits) <= 5 and p.target == digits[::-1]
         assert q.target == "".join(sorted(q.text[:-1]))

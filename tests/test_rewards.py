@@ -47,3 +47,25 @@ def test_runner_counts_errors_and_timeouts_and_keeps_order():
     # The runner still works after a hang: fresh workers took over.
     assert runner.score_many([("z", "z")]) == [1.0]
     runner.close()
+
+
+def test_async_score_survives_raise_and_hang():
+    import asyncio
+
+    def flaky(completion, target):
+        if completion == "boom":
+            raise ValueError("bad")
+        if completion == "hang":
+            time.sleep(30)
+        return 1.0
+
+    runner = RewardRunner(flaky, workers=2, timeout_s=0.3)
+
+    async def run():
+        return await asyncio.gather(*(runner.score(c, "") for c in ["ok", "boom", "hang", "ok2"]))
+
+    start = time.perf_counter()
+    assert asyncio.run(run()) == [1.0, 0.0, 0.0, 1.0]
+    assert time.perf_counter() - start < 3
+    assert runner.counts["timeout"] == 1 and runner.counts["error"] == 1
+    runner.close()

@@ -28,3 +28,28 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
             "approx_kl_sum": (((ratio - 1) - (logprobs - old_logprobs)) * mask).sum(),
         }
     return loss * mask, stats
+
+
+def decoupled_ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
+                       behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       clip_low: float = 0.2, clip_high: float = 0.2,
+                       behaviour_weight_cap: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Decoupled PPO for off-policy (stale) samples (Fu et al. 2025, AReaL; Hilton et al. 2022).
+
+    The trust region is centred on the proximal policy π_prox (the learner's weights before this
+    update) instead of the behaviour policy π_behav that sampled the tokens:
+      r = π_θ / π_prox,  w = π_prox / π_behav,
+      loss_t = -w · min(r·A, clip(r, 1-clip_low, 1+clip_high)·A).
+    Tokens whose w exceeds ``behaviour_weight_cap`` (> 0) are left out of the loss (counted in
+    ``capped_tokens``), as AReaL does, rather than clipped. With π_behav = π_prox this is PPO.
+    """
+    log_w = (proximal_logprobs - behaviour_logprobs).detach()
+    weight = torch.exp(log_w)
+    keep = mask
+    if behaviour_weight_cap > 0:
+        keep = mask * (weight <= behaviour_weight_cap).to(mask.dtype)
+    loss, stats = ppo_clip_loss(logprobs, proximal_logprobs, advantages, keep, clip_low, clip_high)
+    with torch.no_grad():
+        stats["capped_tokens"] = (mask - keep).sum()
+        stats["behav_weight_sum"] = (weight * mask).sum()
+    return loss * weight, stats

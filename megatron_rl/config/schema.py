@@ -75,6 +75,9 @@ class RolloutConfig:
 class SchedulerConfig:
     # η: how many policy versions a trained sample may lag behind (0 = synchronous on-policy).
     max_staleness: int = 0
+    # async: the staleness-bounded controller (rollouts overlap training); sync: the reference
+    # loop (generate a batch, train, publish), equal to async at max_staleness=0.
+    mode: str = "async"
     max_concurrent_rollouts: int = 1024
     weight_sync_interval: int = 1
 
@@ -87,6 +90,11 @@ class AlgoConfig:
     groups_per_batch: int = 16
     clip_low: float = 0.2
     clip_high: float = 0.2
+    # decoupled: trust region around the learner's proximal policy, importance-weighted against
+    # the behaviour policy that sampled (right for stale samples); ppo: plain clipped surrogate.
+    policy_loss: str = "decoupled"
+    # Tokens with π_prox/π_behav above this are left out of the loss (0 disables the cap).
+    behav_imp_weight_cap: float = 5.0
     # Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring.
     normalize_adv_by_std: bool = True
     adv_eps: float = 1e-6

@@ -18,6 +18,8 @@ ALLOWED = {
     "rollout.placement": ("colocated",),
     "algo.name": ("grpo",),
     "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.policy_loss": ("decoupled", "ppo"),
+    "scheduler.mode": ("async", "sync"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),
     "data.template": ("plain", "qa"),
     "data.tokenizer": ("char", "bpe"),
@@ -79,7 +81,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     _positive(
         cfg,
         ["rollout.top_k", "learner.clip_grad", "algo.kl_coef", "algo.entropy_coef",
-         "algo.clip_low", "algo.clip_high", "scheduler.max_staleness", "learner.weight_decay",
+         "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
          "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps"],
         strict=False,
     )
@@ -109,6 +111,11 @@ def validate(cfg: RootConfig) -> RootConfig:
     d = cfg.data
     if d.max_digits < d.min_digits:
         raise ConfigError(f"data.max_digits={d.max_digits} must be >= data.min_digits={d.min_digits}")
+    if cfg.scheduler.mode == "sync" and cfg.scheduler.max_staleness > 0:
+        raise ConfigError(
+            f"scheduler.max_staleness={cfg.scheduler.max_staleness} needs scheduler.mode=async "
+            "(the sync loop is always on-policy)"
+        )
     if d.distinct_digits and d.max_digits > len(set(d.digits)):
         raise ConfigError(
             f"data.max_digits={d.max_digits} exceeds the {len(set(d.digits))} distinct symbols of "

@@ -131,11 +131,11 @@ class DigitTask:
     def __iter__(self) -> Iterator[Prompt]:
         n = 0
         while True:
-            n = self.rng.randint(self.min_len, self.max_len)
+            length = self.rng.randint(self.min_len, self.max_len)
             if self.distinct:
-                s = "".join(self.rng.sample(sorted(set(self.digits)), n))
+                s = "".join(self.rng.sample(sorted(set(self.digits)), length))
             else:
-                s = "".join(self.rng.choice(self.digits) for _ in range(n))
+                s = "".join(self.rng.choice(self.digits) for _ in range(length))
             text = s + "="
             yield Prompt(f"{self.task}-{n}", text, [self.tokenizer.bos_id] + self.tokenizer.encode(text), self.target(s))
             n += 1

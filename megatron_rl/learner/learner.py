@@ -16,6 +16,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithms import kl_penalty, ppo_clip_loss
+from ..algorithms.policy_loss import decoupled_ppo_loss
 from ..config.schema import RootConfig
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
@@ -140,6 +141,8 @@ class Learner:
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         metrics = {f"train/{k.removesuffix('_sum')}": v / tokens for k, v in totals.items()}
         metrics["train/clip_fraction"] = metrics.pop("train/clipped_tokens")
+        if "train/capped_tokens" in metrics:
+            metrics["train/capped_fraction"] = metrics.pop("train/capped_tokens")
         metrics["train/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         metrics["train/lr"] = lr
         return metrics
@@ -174,8 +177,12 @@ class Learner:
         algo = self.cfg.algo
         mask = mb.loss_mask
         logprobs = token_logprobs(logits, mb.labels, temperature)
-        loss, stats = ppo_clip_loss(logprobs, mb.old_logprobs, mb.advantages, mask,
-                                    algo.clip_low, algo.clip_high)
+        if algo.policy_loss == "decoupled":
+            loss, stats = decoupled_ppo_loss(logprobs, mb.old_logprobs, mb.behav_logprobs, mb.advantages,
+                                             mask, algo.clip_low, algo.clip_high, algo.behav_imp_weight_cap)
+        else:
+            loss, stats = ppo_clip_loss(logprobs, mb.old_logprobs, mb.advantages, mask,
+                                        algo.clip_low, algo.clip_high)
         entropy = token_entropy(logits, temperature)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy * mask

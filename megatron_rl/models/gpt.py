@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from ..config.schema import ModelConfig
 from .cpu_patches import apply_cpu_patches, cuda_available
+from .thread_safety import make_thread_safe
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     from megatron.core.models.gpt import GPTModel
 
     apply_cpu_patches()
+    make_thread_safe()
     use_te = te_available()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
     model = GPTModel(

@@ -3,6 +3,7 @@ zero with the error counted, never a dead trainer."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
@@ -39,6 +40,24 @@ class RewardRunner:
                 value = 0.0
             scores.append(value)
         return scores
+
+    async def score(self, completion: str, target: str) -> float:
+        """Score one completion without blocking the event loop; failures score 0.0, counted."""
+        future = self._pool.submit(self.fn, completion, target)
+        try:
+            value = float(await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s))
+            self.counts["ok"] += 1
+            return value
+        except asyncio.TimeoutError:
+            self.counts["timeout"] += 1
+            logger.warning("%s timed out after %.1fs (reward.timeout_s); scored 0", self.name, self.timeout_s)
+            # The hung thread cannot be killed; later scores get fresh workers.
+            self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="reward")
+        except Exception as err:  # noqa: BLE001 - any user reward error becomes a counted zero
+            self.counts["error"] += 1
+            logger.warning("%s raised %r on completion %r; scored 0", self.name, err, completion[:80])
+        return 0.0
 
     def _replace_stuck_pool(self, futures: list, items: Sequence[Tuple[str, str]], start: int) -> None:
         # A hung thread cannot be killed: move the items still waiting behind it to fresh workers.

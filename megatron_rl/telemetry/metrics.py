@@ -7,7 +7,9 @@ import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List, Union
+
+import numpy as np
 
 
 class MetricsWriter:
@@ -17,9 +19,15 @@ class MetricsWriter:
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
         self.jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
 
-    def write(self, step: int, metrics: Dict[str, float]) -> None:
+    def write(self, step: int, metrics: Dict[str, Union[float, List[int]]]) -> None:
+        """Scalars, plus histograms given as a list of counts per integer bucket
+        (e.g. ``staleness/histogram``: how many samples were 0, 1, 2, ... versions old)."""
         for key, value in metrics.items():
-            self.tb.add_scalar(key, value, step)
+            if isinstance(value, list):
+                if sum(value):
+                    self.tb.add_histogram(key, np.repeat(np.arange(len(value)), value), step)
+            else:
+                self.tb.add_scalar(key, value, step)
         self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
 
     def close(self) -> None:

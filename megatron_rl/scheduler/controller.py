@@ -1,0 +1,109 @@
+"""The asynchronous controller: rollouts run continuously under the staleness rule while the
+learner trains on finished groups in another thread; each new version is pushed to the engine.
+
+It knows only callables (a group rollout, a blocking train step, a weight publisher), so the
+same loop drives any engine and learner. With η = 0 it generates exactly one batch per version
+and reproduces the synchronous loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Awaitable, Callable, Dict, List, Optional
+
+from ..types import Trajectory
+from .ledger import FinishedGroup, PromptLedger, Ticket
+
+logger = logging.getLogger(__name__)
+
+RolloutFn = Callable[[Ticket], Awaitable[List[Trajectory]]]
+TrainFn = Callable[[List[FinishedGroup], int], Dict[str, float]]
+PublishFn = Callable[[int], Awaitable[None]]
+StepFn = Callable[[int, Dict[str, float], List[FinishedGroup]], None]
+
+
+class GroupFailed(RuntimeError):
+    """A group could not be completed (e.g. a request was aborted); its prompt is retried."""
+
+
+class AsyncController:
+    def __init__(self, ledger: PromptLedger, rollout: RolloutFn, train: TrainFn, publish: PublishFn,
+                 timeline=None):
+        self.ledger = ledger
+        self.rollout = rollout
+        self.train = train
+        self.publish = publish
+        self.timeline = timeline
+        self.version = 0
+        self._changed: Optional[asyncio.Condition] = None
+        self._tasks: set = set()
+        self.learner_wait_s = 0.0
+
+    async def run(self, steps: int, on_step: StepFn) -> None:
+        self._changed = asyncio.Condition()
+        producer = asyncio.create_task(self._produce(), name="rollout-producer")
+        try:
+            for step in range(1, steps + 1):
+                wait_start = time.perf_counter()
+                batch = await self._next_batch()
+                waited = time.perf_counter() - wait_start
+                self.learner_wait_s += waited
+                start = time.perf_counter()
+                metrics = await asyncio.to_thread(self.train, batch, self.version)
+                train_s = time.perf_counter() - start
+                start = time.perf_counter()
+                # Publish before the version moves: nothing admitted under the new version may
+                # start on the old weights.
+                await self.publish(self.version + 1)
+                metrics["time/sync_s"] = time.perf_counter() - start
+                self.version += 1
+                metrics.update({"time/train_s": train_s, "time/learner_wait_s": waited})
+                await self._notify()
+                on_step(step, metrics, batch)
+        finally:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
+
+    async def drain(self) -> None:
+        """Wait for rollouts still in flight (after their engine was told to abort)."""
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _next_batch(self) -> List[FinishedGroup]:
+        async with self._changed:
+            while True:
+                batch = self.ledger.take_batch(self.version)
+                if batch is not None:
+                    return batch
+                await self._changed.wait()
+
+    async def _produce(self) -> None:
+        while True:
+            while (ticket := self.ledger.admit(self.version)) is not None:
+                task = asyncio.create_task(self._run_group(ticket), name=f"group-{ticket.index}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            async with self._changed:
+                await self._changed.wait()
+
+    async def _run_group(self, ticket: Ticket) -> None:
+        try:
+            trajectories = await self.rollout(ticket)
+        except asyncio.CancelledError:
+            self.ledger.fail(ticket, "cancelled")
+            raise
+        except GroupFailed as err:
+            logger.info("group %s returned to the queue: %s", ticket.prompt.uid, err)
+            self.ledger.fail(ticket, "aborted")
+        except Exception as err:  # noqa: BLE001 - an engine error must not lose the prompt
+            logger.warning("group %s failed (%r); prompt returned to the queue", ticket.prompt.uid, err)
+            self.ledger.fail(ticket, "error")
+        else:
+            self.ledger.finish(ticket, trajectories)
+        await self._notify()

@@ -1,0 +1,100 @@
+"""The staleness-bounded asynchronous loop: η = 0 equals the synchronous loop exactly; η > 0
+learns within its bound; engine aborts and hanging rewards lose no prompt."""
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections import Counter
+
+from megatron_rl.config import load_config
+
+
+def _run_cli(run_dir, *overrides, timeout=900):
+    result = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.main", f"trainer.run_dir={run_dir}", "trainer.progress=false",
+         "trainer.save_final_checkpoint=false", *overrides],
+        capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eta_zero_async_equals_sync_loop(tmp_path):
+    sync = _run_cli(tmp_path / "sync", "trainer.total_steps=12", "scheduler.mode=sync")
+    async_ = _run_cli(tmp_path / "async", "trainer.total_steps=12", "scheduler.mode=async",
+                      "scheduler.max_staleness=0")
+    for key in ("reward/mean", "train/loss", "train/entropy", "train/grad_norm", "response/length_mean"):
+        assert [m[key] for m in sync] == [m[key] for m in async_], key
+    assert all(m["staleness/max"] == 0 for m in async_)
+
+
+def test_eta_two_learns_within_its_bound(tmp_path):
+    rows = _run_cli(tmp_path / "eta2", "trainer.total_steps=150", "scheduler.max_staleness=2")
+    rewards = [m["reward/mean"] for m in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"eta=2, 150 steps: reward {first:.3f} -> {last:.3f}")
+    assert last >= first + 0.3, (first, last)
+    assert max(m["staleness/max"] for m in rows) <= 2
+    assert max(m["staleness/max"] for m in rows) >= 1  # rollouts really overlapped training
+    samples_per_step = 16 * 16
+    assert all(len(m["staleness/histogram"]) == 3 and sum(m["staleness/histogram"]) == samples_per_step
+               for m in rows)
+
+
+def test_engine_aborts_and_hanging_rewards_lose_no_prompt(megatron_world, tmp_path):
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [
+        "trainer.total_steps=8", f"trainer.run_dir={tmp_path}", "trainer.progress=false",
+        "trainer.save_final_checkpoint=false", "scheduler.max_staleness=2", "algo.groups_per_batch=4",
+        "algo.group_size=4", "reward.timeout_s=0.3", "reward.workers=2"])
+    trainer = Trainer(cfg)
+
+    calls = Counter()
+    real_reward = trainer.rewards.fn
+
+    def sometimes_hangs(completion, target):
+        calls["n"] += 1
+        if calls["n"] % 29 == 0:
+            time.sleep(3)  # longer than reward.timeout_s: must become a counted zero
+        return real_reward(completion, target)
+
+    trainer.rewards.fn = sometimes_hangs
+
+    real_rollout = trainer.rollout_group
+
+    async def rollout_with_engine_failures(ticket):
+        if ticket.index % 7 != 3:
+            return await real_rollout(ticket)
+        # The engine loses this group's first request (as if it died serving it) and, every
+        # other time, everything else it has in flight too.
+        task = asyncio.ensure_future(real_rollout(ticket))
+        await asyncio.sleep(0)
+        await trainer.engine.abort([f"g{ticket.index}-{ticket.prompt.uid}-0"])
+        if ticket.index % 2:
+            await trainer.engine.abort()
+        return await task
+
+    trainer.controller.rollout = rollout_with_engine_failures
+
+    trained = Counter()
+    real_train = trainer.train_groups
+
+    def record(groups, version):
+        trained.update(g.ticket.prompt.uid for g in groups)
+        return real_train(groups, version)
+
+    trainer.controller.train = record
+    trainer.run()
+
+    ledger = trainer.ledger
+    assert sum(trained.values()) == 8 * 4
+    assert all(n == 1 for n in trained.values()), (trained.most_common(3), ledger.counts)
+    assert ledger.counts["returned_aborted"] >= 1, ledger.counts
+    assert trainer.rewards.counts["timeout"] >= 1
+    assert ledger.balanced()
+    waiting = {p.uid for p in ledger.retry_queue} | {g.ticket.prompt.uid for g in ledger.buffer}
+    waiting |= {t.prompt.uid for t in ledger.running.values()}
+    assert set(ledger.attempts) == set(trained) | waiting
+    assert not set(trained) & waiting
