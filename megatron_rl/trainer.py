@@ -90,9 +90,10 @@ class Trainer:
         flat = await asyncio.gather(*jobs)
         return [list(flat[k * g : (k + 1) * g]) for k in range(len(prompts))]
 
-    def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
-        items = [(self.tokenizer.decode_response(t.response_ids), p.target) for p, grp in zip(prompts, groups) for t in grp]
-        scores = iter(self.rewards.score_many(items))
+    async def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
+        jobs = [self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target)
+                for p, grp in zip(prompts, groups) for t in grp]
+        scores = iter(await asyncio.gather(*jobs))
         for grp in groups:
             for traj in grp:
                 traj.reward = next(scores)
@@ -150,7 +151,7 @@ class Trainer:
             groups = await self.generate(prompts, step)
         t1 = time.perf_counter()
         with self.timeline.span("reward", step=step):
-            self.score(prompts, groups)
+            await self.score(prompts, groups)
         self.assign_advantages(groups)
         self.log_samples(step, prompts, groups)
         t2 = time.perf_counter()
@@ -184,12 +185,10 @@ class Trainer:
         aborted = sum(t.finish_reason == "abort" for t in trajs)
         if aborted:
             raise GroupFailed(f"{aborted} of {g} samples aborted")
+        trajs = list(trajs)
         with self.timeline.span("reward", group=ticket.index):
-            scores = await asyncio.gather(*(
-                self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target) for t in trajs))
-        for traj, score in zip(trajs, scores):
-            traj.reward = score
-        return list(trajs)
+            await self.score([p], [trajs])
+        return trajs
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
         """Runs on the learner thread while rollouts continue."""

@@ -30,25 +30,6 @@ def test_gsm8k_thousands():
     assert gsm8k_exact("#### 1,072", "1072") == 1.0
 
 
-def test_runner_counts_errors_and_timeouts_and_keeps_order():
-    def flaky(completion, target):
-        if completion == "boom":
-            raise RuntimeError("bad reward code")
-        if completion == "hang":
-            time.sleep(30)
-        return float(completion == target)
-
-    runner = RewardRunner(flaky, workers=1, timeout_s=0.5)
-    start = time.perf_counter()
-    scores = runner.score_many([("a", "a"), ("boom", "a"), ("hang", "a"), ("b", "b"), ("c", "x")])
-    assert time.perf_counter() - start < 5
-    assert scores == [1.0, 0.0, 0.0, 1.0, 0.0]
-    assert runner.counts["error"] == 1 and runner.counts["timeout"] == 1 and runner.counts["ok"] == 3
-    # The runner still works after a hang: fresh workers took over.
-    assert runner.score_many([("z", "z")]) == [1.0]
-    runner.close()
-
-
 def test_async_score_survives_raise_and_hang():
     import asyncio
 
@@ -59,13 +40,16 @@ def test_async_score_survives_raise_and_hang():
             time.sleep(30)
         return 1.0
 
-    runner = RewardRunner(flaky, workers=2, timeout_s=0.3)
+    # One worker: the calls queued behind the hang must still be scored, not timed out.
+    runner = RewardRunner(flaky, workers=1, timeout_s=0.3)
 
     async def run():
         return await asyncio.gather(*(runner.score(c, "") for c in ["ok", "boom", "hang", "ok2"]))
 
     start = time.perf_counter()
+    assert asyncio.run(run()) == [1.0, 0.0, 0.0, 1.0]  # in order, failures are zeros
+    assert time.perf_counter() - start < 5
+    assert runner.counts["timeout"] == 1 and runner.counts["error"] == 1 and runner.counts["ok"] == 2
+    # Still serving after the hang: fresh workers took over.
     assert asyncio.run(run()) == [1.0, 0.0, 0.0, 1.0]
-    assert time.perf_counter() - start < 3
-    assert runner.counts["timeout"] == 1 and runner.counts["error"] == 1
     runner.close()
