@@ -1,7 +1,10 @@
-"""The synchronous RL loop: generate G samples per prompt → score → group advantages → train →
-push the new weights to the engine. Every step leaves metrics, timeline spans and logs in the run
-directory; the last step leaves a checkpoint. (The staleness-bounded asynchronous controller
-builds on the same pieces.)"""
+"""Wires data, engine, rewards and learner into a run.
+
+One step: G samples per prompt → rewards → group advantages → train → push the new weights to
+the engine. ``scheduler.mode=async`` (default) runs that through the staleness-bounded
+controller (rollouts overlap training); ``scheduler.mode=sync`` is the plain reference loop, which
+the controller reproduces exactly at η = 0. Every step leaves metrics, timeline spans and logs in
+the run directory; the last step leaves a checkpoint."""
 
 from __future__ import annotations
 
