@@ -30,6 +30,8 @@ def test_tiny_cpu_loads_and_overrides():
         ("trainer.totl_steps=5", "totl_steps"),
         ("data.name=gsm8k", "data.path is required"),
         ("learner.tp=2", "learner.tp=2 is not available yet"),
+        ("rollout.engines=4", "rollout.engines=4 is not available yet"),
+        ("learner.dp=2", "learner.dp=2 is not available yet"),
         ("data.distinct_digits=true data.digits=0123 data.max_digits=5", "exceeds the 4 distinct symbols"),
         ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not available yet"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),

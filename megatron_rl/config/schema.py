@@ -39,7 +39,6 @@ class LearnerConfig:
     # Derived from the world size when omitted.
     dp: Optional[int] = None
     lr: float = 1e-3
-    min_lr: float = 0.0
     lr_warmup_steps: int = 0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -79,7 +78,6 @@ class SchedulerConfig:
     # loop (generate a batch, train, publish), equal to async at max_staleness=0.
     mode: str = "async"
     max_concurrent_rollouts: int = 1024
-    weight_sync_interval: int = 1
 
 
 @dataclass

@@ -135,8 +135,9 @@ def validate(cfg: RootConfig) -> RootConfig:
             "checkpoints arrives with checkpoint conversion (issue 5); leave model.path unset "
             "to start from random weights"
         )
-    for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "rollout.tp"):
-        if _get(cfg, key) != 1:
+    for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
+                "rollout.engines"):
+        if _get(cfg, key) not in (None, 1):
             raise ConfigError(
                 f"{key}={_get(cfg, key)} is not available yet: multi-rank learners and engines "
                 f"arrive with the torchrun world split (issue 4); use {key}=1"

@@ -64,7 +64,7 @@ class Learner:
         bf16 = cfg.model.dtype == "bf16"
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=lc.lr, min_lr=lc.min_lr, weight_decay=lc.weight_decay,
+                optimizer="adam", lr=lc.lr, weight_decay=lc.weight_decay,
                 adam_beta1=lc.adam_beta1, adam_beta2=lc.adam_beta2, adam_eps=lc.adam_eps,
                 clip_grad=lc.clip_grad, bf16=bf16,
                 params_dtype=torch.bfloat16 if bf16 else torch.float32,
