@@ -118,6 +118,18 @@ class Trainer:
                 "response": self.tokenizer.decode_response(traj.response_ids),
                 "finish_reason": traj.finish_reason, "reward": traj.reward}) + "\n")
 
+    def train_on(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]], version: int) -> Dict[str, float]:
+        """Advantages, one learner update of policy ``version`` (step ``version + 1``), metrics:
+        the same for the synchronous loop and the asynchronous controller."""
+        step = version + 1
+        self.assign_advantages(groups)
+        self.log_samples(step, prompts, groups)
+        flat = [t for grp in groups for t in grp]
+        metrics = self.batch_metrics(flat, version)
+        with self.timeline.span("train", step=step):
+            metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr_at(self.cfg, step)))
+        return metrics
+
     def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
         """Reward, length and staleness statistics of one training batch."""
         rewards = np.array([t.reward for t in flat])
@@ -155,13 +167,9 @@ class Trainer:
         t1 = time.perf_counter()
         with self.timeline.span("reward", step=step):
             await self.score(prompts, groups)
-        self.assign_advantages(groups)
-        self.log_samples(step, prompts, groups)
         t2 = time.perf_counter()
+        metrics = self.train_on(prompts, groups, self.version)
         flat = [t for grp in groups for t in grp]
-        metrics = self.batch_metrics(flat, self.version)
-        with self.timeline.span("train", step=step):
-            metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr_at(cfg, step)))
         self.version += 1
         t3 = time.perf_counter()
         with self.timeline.span("sync", step=step, version=self.version):
@@ -195,15 +203,7 @@ class Trainer:
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
         """Runs on the learner thread while rollouts continue."""
-        step = version + 1
-        lists = [g.trajectories for g in groups]
-        self.assign_advantages(lists)
-        self.log_samples(step, [g.ticket.prompt for g in groups], lists)
-        flat = [t for grp in lists for t in grp]
-        metrics = self.batch_metrics(flat, version)
-        with self.timeline.span("train", step=step):
-            metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr_at(self.cfg, step)))
-        return metrics
+        return self.train_on([g.ticket.prompt for g in groups], [g.trajectories for g in groups], version)
 
     async def publish(self, version: int) -> None:
         with self.timeline.span("sync", version=version):
