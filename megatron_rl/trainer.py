@@ -9,10 +9,14 @@ the run directory; the last step leaves a checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
+import math
+import os
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
 from typing import Dict, List, Sequence, Tuple
 
@@ -46,10 +50,32 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def set_compute_threads(cpu_threads: int, overlap: bool) -> None:
+    """Intra-op threads for torch on CPU. Two threads that compute at once (learner and engine,
+    when rollouts overlap training) each get half the cores: two OpenMP teams of the full size
+    spin against each other and run ~2.5x slower (measured on 2 cores). On GPU nothing changes."""
+    if torch.cuda.is_available():
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
+        return
+    cores = cpu_threads or os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // 2) if overlap else cores)
+
+
 def lr_at(cfg: RootConfig, step: int) -> float:
-    """Linear warm-up over ``learner.lr_warmup_steps``, then constant."""
-    warmup = cfg.learner.lr_warmup_steps
-    return cfg.learner.lr * min(1.0, (step + 1) / warmup) if warmup else cfg.learner.lr
+    """Learning rate of ``step`` (1-based): linear warm-up over ``learner.lr_warmup_steps``, then
+    ``learner.lr_decay_style`` from ``lr`` to ``min_lr`` at ``trainer.total_steps``."""
+    lc = cfg.learner
+    warmup = lc.lr_warmup_steps
+    if warmup and step < warmup:
+        return lc.lr * (step + 1) / warmup
+    span = max(cfg.trainer.total_steps - warmup, 1)
+    progress = min(max(step - warmup, 0) / span, 1.0)
+    if lc.lr_decay_style == "linear":
+        return lc.min_lr + (lc.lr - lc.min_lr) * (1.0 - progress)
+    if lc.lr_decay_style == "cosine":
+        return lc.min_lr + (lc.lr - lc.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lc.lr
 
 
 class Trainer:
@@ -57,28 +83,35 @@ class Trainer:
         self.cfg = cfg
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
-        if cfg.trainer.cpu_threads:
-            torch.set_num_threads(cfg.trainer.cpu_threads)
+        self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
+        overlap = cfg.scheduler.mode == "async" and cfg.scheduler.max_staleness > 0
+        set_compute_threads(cfg.trainer.cpu_threads, overlap)
         seed_everything(cfg.trainer.seed)
         self.tokenizer, prompts = build_data(cfg)
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.prompts = iter(prompts)
         vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
-        self.engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed)
+        # Without overlap the engine computes on the learner's thread: one thread team for the cores.
+        self.engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed,
+                                     executor=None if overlap else self.learner_executor,
+                                     recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
                                     name=f"reward {cfg.reward.name}")
         r = cfg.rollout
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
-                                     stop_token_ids=(self.tokenizer.eos_id,))
+                                     stop_token_ids=(self.tokenizer.eos_id,), stream=False)
         self.metrics = MetricsWriter(self.run_dir)
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
         self.version = 0
+        self._engine_prev = copy.copy(self.engine.stats)
         sc = cfg.scheduler
         self.ledger = PromptLedger(self.prompts, StalenessManager(
-            sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts))
-        self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish)
+            sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts),
+            max_ahead_groups=sc.max_ahead_batches * cfg.algo.groups_per_batch)
+        self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
+                                          train_executor=self.learner_executor)
         logger.info("run directory: %s", self.run_dir)
 
     # ------------------------------------------------------------------ pieces of a step
@@ -142,6 +175,7 @@ class Trainer:
             "reward/errors": float(self.rewards.counts["error"]),
             "reward/timeouts": float(self.rewards.counts["timeout"]),
             "response/length_mean": float(lengths.mean()),
+            "response/length_max": float(lengths.max()),
             "response/truncated_fraction": float(np.mean([t.finish_reason == "length" for t in flat])),
             "staleness/mean": float(staleness.mean()) if staleness.size else 0.0,
             "staleness/max": float(staleness.max()) if staleness.size else 0.0,
@@ -149,6 +183,19 @@ class Trainer:
             if staleness.size else [],
             "policy/version": float(train_version + 1),
         }
+
+    def engine_metrics(self) -> Dict[str, float]:
+        """Engine counters since the previous call: batches built and decode steps, and the mean
+        number of running rows per decode step (continuous batching keeps it up)."""
+        st, prev = self.engine.stats, self._engine_prev
+        steps = st.decode_steps - prev.decode_steps
+        out = {
+            "engine/prefills": float(st.prefills - prev.prefills),
+            "engine/decode_steps": float(steps),
+            "engine/rows_per_decode": (st.decode_rows - prev.decode_rows) / steps if steps else 0.0,
+        }
+        self._engine_prev = copy.copy(st)
+        return out
 
     def tokens(self, flat: Sequence[Trajectory]) -> Tuple[int, int]:
         """(generated tokens, trained tokens) of a batch."""
@@ -168,7 +215,8 @@ class Trainer:
         with self.timeline.span("reward", step=step):
             await self.score(prompts, groups)
         t2 = time.perf_counter()
-        metrics = self.train_on(prompts, groups, self.version)
+        metrics = await asyncio.get_running_loop().run_in_executor(
+            self.learner_executor, self.train_on, prompts, groups, self.version)
         flat = [t for grp in groups for t in grp]
         self.version += 1
         t3 = time.perf_counter()
@@ -183,6 +231,7 @@ class Trainer:
             "time/reward_s": t2 - t1,
             "time/train_s": t3 - t2,
             "time/sync_s": t4 - t3,
+            **self.engine_metrics(),
         })
         return metrics
 
@@ -248,6 +297,7 @@ class Trainer:
                 "queue/running_groups": float(self.ledger.in_flight),
                 "queue/returned_total": float(self.ledger.counts["returned"]),
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
+                **self.engine_metrics(),
             })
             last[0], last[1] = now, engine_tokens
             self.after_step(step, metrics, history, progress)
@@ -282,6 +332,7 @@ class Trainer:
             self.timeline.close()
             self.samples.close()
             self.rewards.close()
+            self.learner_executor.shutdown(wait=True)
         logger.info("done: reward %.3f (first steps) -> %.3f (last steps); run dir %s",
                     summary["reward_first"], summary["reward_last"], self.run_dir)
         return summary

@@ -16,6 +16,9 @@ class SamplingParams:
     # Token ids that end a response (the EOS token is included by the caller).
     stop_token_ids: tuple = ()
     seed: Optional[int] = None
+    # True: a chunk per engine step (streaming, e.g. for agent tools or HTTP). False: one chunk
+    # when the request ends (RL rollouts; far less event-loop traffic per generated token).
+    stream: bool = True
 
 
 @dataclass

@@ -35,6 +35,9 @@ def test_tiny_cpu_loads_and_overrides():
         ("data.distinct_digits=true data.digits=0123 data.max_digits=5", "exceeds the 4 distinct symbols"),
         ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not available yet"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
+        ("learner.min_lr=0.5", "learner.min_lr=0.5 must be <= learner.lr"),
+        ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),
+        ("data.length_tail=-1", "data.length_tail=-1.0 must be >= 0"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

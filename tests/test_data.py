@@ -111,3 +111,14 @@ def test_gsm8k_answer_without_marker_names_line(tmp_path):
     path = _write(tmp_path, [json.dumps({"question": "q", "answer": "42"})])
     with pytest.raises(DatasetError, match=r"d.jsonl:1: field 'answer': GSM8K answers end with"):
         JsonlPrompts(path, char_tokenizer("0123456789"), "question", "answer", "plain", 64, 0, gsm8k=True)
+
+
+def test_digit_task_long_tailed_lengths():
+    """length_tail draws a power law: mostly short strings, a few long ones, all within bounds."""
+    tok = char_tokenizer("0123456789=")
+    task = iter(DigitTask("sort_digits", tok, "0123456789", 2, 24, seed=0, length_tail=1.5))
+    lengths = [len(next(task).target) for _ in range(4000)]
+    assert min(lengths) == 2 and max(lengths) <= 24
+    short, long = sum(n <= 4 for n in lengths), sum(n >= 16 for n in lengths)
+    # P(n) ∝ (n - 1)^-1.5: P(n <= 4) ≈ 0.71, P(n >= 16) ≈ 0.07 (summed weights).
+    assert 0.66 < short / 4000 < 0.76 and 0.04 < long / 4000 < 0.10, (short, long)

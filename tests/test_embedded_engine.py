@@ -45,7 +45,7 @@ def test_length_stop_and_mixed_prompt_lengths_share_a_batch(engine):
     trajs = asyncio.run(generate_all(engine, [[1, 2], [1, 2, 3], [4, 5], [6, 7, 8, 9, 10]], params))
     assert [t.finish_reason for t in trajs] == ["length"] * 4
     assert all(len(t.response_ids) == 5 and len(t.logprobs) == 5 for t in trajs)
-    assert engine.stats.batches == 1  # left padding: one batch for all prompt lengths
+    assert engine.stats.prefills == 1  # left padding: one batch for all prompt lengths
 
 
 def test_eos_stop(engine):
@@ -98,7 +98,10 @@ def test_abort_pending_and_running(engine):
     assert len(p0) == 1 and p0[0].finish_reason == "abort" and p0[0].token_ids == []
 
 
-def test_pause_update_resume_tags_tokens_with_versions(engine):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_pause_update_resume_tags_tokens_with_versions(engine, recompute):
+    engine._recompute_kv_on_update = recompute
+
     async def run():
         params = SamplingParams(max_new_tokens=25)
         chunks = []
@@ -124,6 +127,8 @@ def test_pause_update_resume_tags_tokens_with_versions(engine):
     assert 6 <= switch < 20
     assert versions[:switch] == [0] * switch and versions[switch:] == [5] * (25 - switch)
     assert tokens[switch:] == [9] * (25 - switch)  # the new weights produced every later token
+    # Recompute: the request is re-prefilled under the new weights; keep: decoding just goes on.
+    assert engine.stats.prefills == (2 if recompute else 1)
 
 
 def test_pause_abort_mode_finishes_in_flight(engine):
@@ -140,3 +145,16 @@ def test_pause_abort_mode_finishes_in_flight(engine):
     chunks = asyncio.run(run())
     assert chunks[-1].finish_reason == "abort"
     assert sum(len(c.token_ids) for c in chunks) < 25
+
+
+def test_non_streaming_requests_get_one_final_chunk(engine):
+    async def run():
+        chunks = []
+        async for chunk in engine.generate("q", [1, 2, 3], SamplingParams(max_new_tokens=9, stream=False)):
+            chunks.append(chunk)
+        await engine.shutdown()
+        return chunks
+
+    chunks = asyncio.run(run())
+    assert len(chunks) == 1 and chunks[0].finish_reason == "length"
+    assert len(chunks[0].token_ids) == len(chunks[0].logprobs) == len(chunks[0].versions) == 9

@@ -26,6 +26,7 @@ def _group(ticket, token_version):
 def workloads(draw):
     return dict(
         eta=draw(st.integers(0, 4)),
+        ahead=draw(st.sampled_from([0, 1, 2, 3])),  # scheduler.max_ahead_batches
         batch=draw(st.integers(1, 4)),
         concurrent=draw(st.integers(1, 24)),
         steps=draw(st.integers(1, 12)),
@@ -43,7 +44,7 @@ def workloads(draw):
 def simulate(w):
     """A discrete-event run of the controller policy; returns what was trained and the ledger."""
     manager = StalenessManager(w["eta"], w["batch"], w["concurrent"])
-    ledger = PromptLedger(_prompts(), manager)
+    ledger = PromptLedger(_prompts(), manager, max_ahead_groups=w["ahead"] * w["batch"])
     clock, version, events, seq = 0, 0, [], itertools.count()
     training = False
     trained_staleness, consumed = [], Counter()
@@ -67,6 +68,8 @@ def simulate(w):
                 heapq.heappush(events, (clock + pick(w["train"], steps_done), next(seq), "trained", None, None))
         assert ledger.balanced()
         assert manager.running == ledger.in_flight >= 0
+        if w["ahead"]:  # scheduler.max_ahead_batches bounds the work ahead of the learner
+            assert ledger.in_flight + len(ledger.buffer) <= w["ahead"] * w["batch"]
         if not events:
             raise AssertionError(f"deadlock at version {version}: {ledger.counts}")
         clock, _, kind, ticket, token_version = heapq.heappop(events)

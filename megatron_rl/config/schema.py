@@ -40,6 +40,9 @@ class LearnerConfig:
     dp: Optional[int] = None
     lr: float = 1e-3
     lr_warmup_steps: int = 0
+    # After warm-up: constant | linear | cosine, from lr down to min_lr at trainer.total_steps.
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -68,6 +71,11 @@ class RolloutConfig:
     max_new_tokens: int = 16
     # Largest decode batch of the embedded engine.
     max_batch_size: int = 256
+    # After a weight update, recompute the KV cache of requests in flight under the new weights
+    # (AReaL-style: every later token is exactly the new policy's) instead of keeping the old
+    # entries (vLLM-style: cheaper; the recorded behaviour logprobs are still the ones sampled
+    # from, which is what the decoupled loss corrects for).
+    recompute_kv_on_update: bool = False
 
 
 @dataclass
@@ -78,6 +86,10 @@ class SchedulerConfig:
     # loop (generate a batch, train, publish), equal to async at max_staleness=0.
     mode: str = "async"
     max_concurrent_rollouts: int = 1024
+    # Groups running or waiting to be trained, in batches (algo.groups_per_batch each): 2 lets the
+    # engine fill one batch while the learner's next is finishing (a long response does not stall
+    # it) without racing η versions ahead when the learner is the slower side. 0: no limit but η.
+    max_ahead_batches: int = 2
 
 
 @dataclass
@@ -116,6 +128,9 @@ class DataConfig:
     digits: str = "0123456789"
     # Draw each string's digits without repetition (every digit appears at most once).
     distinct_digits: bool = False
+    # 0: lengths uniform in [min_digits, max_digits]. > 0: a power law, P(n) ∝ (n - min_digits + 1)^-tail,
+    # so most strings are short and a few are long (long-tailed response lengths, as in reasoning RL).
+    length_tail: float = 0.0
     # plain | qa (Question/Answer framing for text datasets)
     template: str = "plain"
     # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)
@@ -145,7 +160,8 @@ class TrainerConfig:
     save_final_checkpoint: bool = True
     log_interval: int = 1
     progress: bool = True
-    # Threads for intra-op parallelism on CPU; 0 leaves torch's default.
+    # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the
+    # learner and the engine each get half, so their compute threads do not fight over cores.
     cpu_threads: int = 0
 
 

@@ -19,6 +19,7 @@ ALLOWED = {
     "algo.name": ("grpo",),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": ("decoupled", "ppo"),
+    "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "scheduler.mode": ("async", "sync"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),
     "data.template": ("plain", "qa"),
@@ -82,7 +83,8 @@ def validate(cfg: RootConfig) -> RootConfig:
         cfg,
         ["rollout.top_k", "learner.clip_grad", "algo.kl_coef", "algo.entropy_coef",
          "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
-         "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps"],
+         "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps", "learner.min_lr",
+         "scheduler.max_ahead_batches"],
         strict=False,
     )
     m = cfg.model
@@ -108,9 +110,13 @@ def validate(cfg: RootConfig) -> RootConfig:
             f"learner.mini_batches={cfg.learner.mini_batches} must divide "
             f"algo.groups_per_batch={cfg.algo.groups_per_batch}"
         )
+    if cfg.learner.min_lr > cfg.learner.lr:
+        raise ConfigError(f"learner.min_lr={cfg.learner.min_lr} must be <= learner.lr={cfg.learner.lr}")
     d = cfg.data
     if d.max_digits < d.min_digits:
         raise ConfigError(f"data.max_digits={d.max_digits} must be >= data.min_digits={d.min_digits}")
+    if d.length_tail < 0:
+        raise ConfigError(f"data.length_tail={d.length_tail} must be >= 0 (0 = uniform lengths)")
     if cfg.scheduler.mode == "sync" and cfg.scheduler.max_staleness > 0:
         raise ConfigError(
             f"scheduler.max_staleness={cfg.scheduler.max_staleness} needs scheduler.mode=async "

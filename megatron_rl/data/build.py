@@ -23,7 +23,7 @@ def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
     d = cfg.data
     if d.name in ("reverse_digits", "sort_digits"):
         return DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits, cfg.trainer.seed,
-                         distinct=d.distinct_digits)
+                         distinct=d.distinct_digits, length_tail=d.length_tail)
     return JsonlPrompts(d.path, tokenizer, d.prompt_key, d.answer_key, d.template, d.max_prompt_tokens,
                         cfg.trainer.seed, d.shuffle, gsm8k=d.name == "gsm8k")
 

@@ -117,13 +117,17 @@ class DigitTask:
     """Endless synthetic prompts: ``<bos>d1..dn=``; the answer is the digits reversed or sorted."""
 
     def __init__(self, task: str, tokenizer: Tokenizer, digits: str, min_len: int, max_len: int, seed: int,
-                 distinct: bool = False):
+                 distinct: bool = False, length_tail: float = 0.0):
         if task not in ("reverse_digits", "sort_digits"):
             raise ValueError(f"unknown digit task {task!r}")
         self.task, self.tokenizer, self.digits = task, tokenizer, digits
         self.min_len, self.max_len = min_len, max_len
         self.distinct = distinct
         self.rng = random.Random(seed)
+        self.length_tail = length_tail
+        self.lengths = list(range(min_len, max_len + 1))
+        # Power-law length weights (uniform when length_tail = 0).
+        self.length_weights = [(n - min_len + 1) ** -length_tail for n in self.lengths]
 
     def target(self, s: str) -> str:
         return s[::-1] if self.task == "reverse_digits" else "".join(sorted(s))
@@ -131,7 +135,10 @@ class DigitTask:
     def __iter__(self) -> Iterator[Prompt]:
         n = 0
         while True:
-            length = self.rng.randint(self.min_len, self.max_len)
+            if self.length_tail:
+                length = self.rng.choices(self.lengths, self.length_weights)[0]
+            else:  # uniform (kept as randint so existing seeds give the same prompts)
+                length = self.rng.randint(self.min_len, self.max_len)
             if self.distinct:
                 s = "".join(self.rng.sample(sorted(set(self.digits)), length))
             else:

@@ -1,8 +1,13 @@
-"""Turn trajectories into fixed-shape micro-batches for the Megatron forward.
+"""Turn trajectories into micro-batches for the Megatron forward.
 
-Every micro-batch has the same [rows, seq_len] shape (the batch's longest sequence, rows chosen
-from the token budget), so pipeline-parallel schedules can use one tensor shape. Filler rows
-carry a zero loss mask.
+Two packings within a token budget (rows × padded length):
+- equal shape: every micro-batch is [rows, longest sequence of the batch], so pipeline-parallel
+  schedules can use one tensor shape; filler rows carry a zero loss mask.
+- by length (no pipeline): when the batch needs several micro-batches, sequences are sorted by
+  length and each micro-batch is padded only to its own longest, so a few long responses do not
+  make every row pay for their length (long-tailed batches train several times faster). A batch
+  that fits one micro-batch keeps its order.
+The loss is a global per-token sum, so the packing does not change what is optimised.
 """
 
 from __future__ import annotations
@@ -38,17 +43,33 @@ class MicroBatch:
         return self.tokens.shape[1]
 
 
-def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0) -> List[MicroBatch]:
-    """Pack trajectories (in order) into equal-shape micro-batches within ``token_budget`` tokens."""
+def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0,
+                        equal_shape: bool = True) -> List[MicroBatch]:
+    """Pack trajectories into micro-batches of at most ``token_budget`` padded tokens (one row at
+    least): equal-shape (in order) or, with ``equal_shape=False``, by length."""
     if not trajs:
         return []
-    seq_len = max(len(t.prompt_ids) + len(t.response_ids) for t in trajs)
+    lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+    seq_len = max(lengths)
+    if not equal_shape and len(trajs) * seq_len > token_budget:
+        return _pack_by_length(trajs, lengths, token_budget, pad_id)
     rows = max(1, token_budget // seq_len)
     batches = []
     for start in range(0, len(trajs), rows):
         idx = list(range(start, min(start + rows, len(trajs))))
         batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
     return batches
+
+
+def _pack_by_length(trajs: Sequence[Trajectory], lengths: List[int], token_budget: int,
+                    pad_id: int) -> List[MicroBatch]:
+    order = sorted(range(len(trajs)), key=lambda i: lengths[i])
+    groups: List[List[int]] = [[]]
+    for i in order:  # ascending, so lengths[i] is the padded length if row i joins
+        if groups[-1] and (len(groups[-1]) + 1) * lengths[i] > token_budget:
+            groups.append([])
+        groups[-1].append(i)
+    return [_collate([trajs[i] for i in idx], idx, len(idx), lengths[idx[-1]], pad_id) for idx in groups]
 
 
 def _token_values(traj: Trajectory) -> Dict[str, List[float]]:

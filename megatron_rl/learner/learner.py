@@ -80,6 +80,9 @@ class Learner:
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
         self.optimizer_steps = 0
+        # Tests set this to compare the skipped proximal forward with the explicit one.
+        self.force_proximal_forward = False
+        self._proximal_in_forward = False
 
     @property
     def module(self) -> torch.nn.Module:
@@ -96,7 +99,7 @@ class Learner:
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
-        mbs = build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id)
+        mbs = self._micro_batches(trajs)
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, temperature=temperature),
             data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
@@ -107,6 +110,11 @@ class Learner:
         for mb, logprobs in zip(mbs, outputs):
             result.update(response_values(mb, logprobs.cpu(), trajs))
         return [result[i] for i in range(len(trajs))]
+
+    def _micro_batches(self, trajs: Sequence[Trajectory]) -> List[MicroBatch]:
+        # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
+        return build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id,
+                                   equal_shape=self.cfg.learner.pp > 1)
 
     def _forward_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
@@ -122,8 +130,14 @@ class Learner:
         """PPO epochs × mini-batches of optimizer steps over one batch of scored trajectories.
         Trajectories must carry advantages; proximal (and reference) logprobs are filled here."""
         cfg = self.cfg
-        for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature)):
-            traj.proximal_logprobs = lp
+        # One optimizer step per batch: the weights before the update are the ones the training
+        # forward runs with, so the proximal logprobs are that forward's own (detached) and the
+        # separate forward pass over the batch is skipped.
+        self._proximal_in_forward = (cfg.learner.mini_batches == 1 and cfg.learner.ppo_epochs == 1
+                                     and not self.force_proximal_forward)
+        if not self._proximal_in_forward:
+            for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature)):
+                traj.proximal_logprobs = lp
         if self.ref_model is not None:
             for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature, reference=True)):
                 traj.ref_logprobs = lp
@@ -150,7 +164,7 @@ class Learner:
     def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id)
+        mbs = self._micro_batches(trajs)
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = get_forward_backward_func()(
@@ -177,12 +191,12 @@ class Learner:
         algo = self.cfg.algo
         mask = mb.loss_mask
         logprobs = token_logprobs(logits, mb.labels, temperature)
+        old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
         if algo.policy_loss == "decoupled":
-            loss, stats = decoupled_ppo_loss(logprobs, mb.old_logprobs, mb.behav_logprobs, mb.advantages,
+            loss, stats = decoupled_ppo_loss(logprobs, old, mb.behav_logprobs, mb.advantages,
                                              mask, algo.clip_low, algo.clip_high, algo.behav_imp_weight_cap)
         else:
-            loss, stats = ppo_clip_loss(logprobs, mb.old_logprobs, mb.advantages, mask,
-                                        algo.clip_low, algo.clip_high)
+            loss, stats = ppo_clip_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high)
         entropy = token_entropy(logits, temperature)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy * mask
@@ -196,7 +210,7 @@ class Learner:
             loss_sum=total.detach(),
             entropy_sum=(entropy.detach() * mask).sum(),
             # |learner - engine| logprob gap on the sampled tokens: should be ~0 on-policy.
-            behav_logprob_gap_sum=((mb.old_logprobs - mb.behav_logprobs).abs() * mask).sum(),
+            behav_logprob_gap_sum=((old - mb.behav_logprobs).abs() * mask).sum(),
             tokens=num_tokens.detach(),
         )
         return total, num_tokens.to(torch.int), stats

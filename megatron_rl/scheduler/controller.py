@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Executor
 from typing import Awaitable, Callable, Dict, List, Optional
 
 from ..types import Trajectory
@@ -30,12 +31,14 @@ class GroupFailed(RuntimeError):
 
 class AsyncController:
     def __init__(self, ledger: PromptLedger, rollout: RolloutFn, train: TrainFn, publish: PublishFn,
-                 timeline=None):
+                 timeline=None, train_executor: Optional[Executor] = None):
         self.ledger = ledger
         self.rollout = rollout
         self.train = train
         self.publish = publish
         self.timeline = timeline
+        # Where the blocking train step runs (None: asyncio's default thread pool).
+        self.train_executor = train_executor
         self.version = 0
         self._changed: Optional[asyncio.Condition] = None
         self._tasks: set = set()
@@ -51,7 +54,8 @@ class AsyncController:
                 waited = time.perf_counter() - wait_start
                 self.learner_wait_s += waited
                 start = time.perf_counter()
-                metrics = await asyncio.to_thread(self.train, batch, self.version)
+                metrics = await asyncio.get_running_loop().run_in_executor(
+                    self.train_executor, self.train, batch, self.version)
                 train_s = time.perf_counter() - start
                 start = time.perf_counter()
                 # Publish before the version moves: nothing admitted under the new version may

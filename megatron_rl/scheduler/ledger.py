@@ -50,9 +50,15 @@ class PromptLedger:
     _next_index: int = 0
     # Admissions per prompt uid (a retried prompt is admitted again).
     attempts: Dict[str, int] = field(default_factory=dict)
+    # At most this many groups running or finished-and-waiting at once (0: only the staleness
+    # rule limits). Work generated further ahead of the learner cannot speed it up, it only ages:
+    # with a learner slower than generation the buffer would otherwise fill to the full η.
+    max_ahead_groups: int = 0
 
     # -------------------------------------------------------------- admission
     def can_admit(self, version: int) -> bool:
+        if self.max_ahead_groups and self.in_flight + len(self.buffer) >= self.max_ahead_groups:
+            return False
         return self.staleness.capacity(version) > 0
 
     def admit(self, version: int) -> Optional[Ticket]:

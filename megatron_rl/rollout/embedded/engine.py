@@ -1,10 +1,14 @@
 """The embedded rollout engine: our Megatron GPTModel, KV-cached, behind the async RolloutEngine API.
 
-A single background task forms batches of waiting requests (requests with equal sampling params,
-oldest first, prompts left-padded), runs prefill and decode steps on a dedicated
-compute thread (so the event loop stays free for rewards and the trainer), and streams each
-step's tokens to the requests. Pause, abort and weight swaps take effect between decode steps;
-every token is tagged with the weight version that produced it.
+One background task runs the batch on a dedicated compute thread (so the event loop stays free
+for rewards and the trainer) and streams each step's tokens to the requests. Batching is
+continuous: when enough requests are waiting (or the batch has thinned out) and they fit the KV
+cache, the batch is rebuilt with the running requests plus the newcomers, so a few long responses
+never hold the engine at a handful of rows. Pause, abort and weight swaps take effect between
+steps; every token is tagged with the version that sampled it. After new weights the running
+requests are re-prefilled (``recompute_kv_on_update``, so every later token comes from the new
+policy alone) or keep their cache entries (cheaper; the logprobs recorded are still exactly those
+of the distribution sampled from).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
-from .generator import BatchState, KVCachedGenerator
+from .generator import KVCachedGenerator
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +39,26 @@ class _Request:
     prompt_ids: List[int]
     params: SamplingParams
     queue: "asyncio.Queue" = field(default_factory=asyncio.Queue)
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    versions: List[int] = field(default_factory=list)
+    finish: Optional[str] = None
     emitted: int = 0
+    closed: bool = False  # the final chunk was sent
 
     @property
-    def bucket(self) -> SamplingParams:
-        return self.params
+    def sampler(self) -> Tuple[float, float, int]:
+        """What the batch's one sampling call needs equal across rows (stops, lengths and
+        streaming are per row)."""
+        return self.params.temperature, self.params.top_p, self.params.top_k
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.tokens)
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.tokens)
 
 
 @dataclass
@@ -47,12 +66,18 @@ class EngineStats:
     requests: int = 0
     tokens: int = 0
     compute_s: float = 0.0
-    batches: int = 0
+    prefills: int = 0       # batches (re)built from slot 0: first batch, offset exhausted, new weights
+    admissions: int = 0     # waiting requests prefilled into the running batch
+    decode_steps: int = 0
+    decode_rows: int = 0    # running rows summed over decode steps (occupancy = rows / steps)
 
 
 class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
-                 seed: int = 0, version: int = 0):
+                 seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
+                 recompute_kv_on_update: bool = True):
+        """``executor``: the thread to compute on; pass the learner's when the two never run at
+        once (η = 0), so one thread team owns the CPU cores. By default the engine has its own."""
         self.model_cfg = model_cfg
         self.model = build_gpt_model(model_cfg, vocab_size)
         self.model.eval()
@@ -60,15 +85,17 @@ class EmbeddedEngine(RolloutEngine):
         self._gen = KVCachedGenerator(self.model, max_batch_size, model_cfg.max_position_embeddings,
                                       self.device, seed=seed)
         self._version = version
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="embedded-engine")
+        self._recompute_kv_on_update = recompute_kv_on_update
+        self._owns_executor = executor is None
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="embedded-engine")
         self._pending: Deque[_Request] = deque()
-        self._running: Dict[str, _Request] = {}
+        self._running: Dict[str, _Request] = {}  # taken from the queue, final chunk not yet sent
+        self._batch: List[_Request] = []  # the KV cache's rows, in order (finished rows included)
         self._aborted: Set[str] = set()
         self._paused = False
-        self._abort_on_pause = False
+        self._kv_stale = False  # weights changed under the running rows: re-prefill them
         self._task: Optional[asyncio.Task] = None
         self._wakeup: Optional[asyncio.Event] = None
-        self._resumed: Optional[asyncio.Event] = None
         self._step_lock: Optional[asyncio.Lock] = None
         self._failure: Optional[BaseException] = None
         self.stats = EngineStats()
@@ -84,6 +111,10 @@ class EmbeddedEngine(RolloutEngine):
             raise EngineError(f"embedded engine is dead: {self._failure!r}")
         if not prompt_ids:
             raise EngineError(f"request {request_id}: empty prompt")
+        try:
+            self._gen.check_request(len(prompt_ids), params.max_new_tokens)
+        except ValueError as err:
+            raise EngineError(f"request {request_id}: {err}") from None
         req = _Request(request_id, list(prompt_ids), params)
         self._pending.append(req)
         self.stats.requests += 1
@@ -100,26 +131,29 @@ class EmbeddedEngine(RolloutEngine):
                     return
         finally:
             if not finished:  # the caller stopped listening: free the slot
-                self._aborted.add(request_id)
+                self._abort_now({request_id})
 
     async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
-        ids = set(request_ids) if request_ids is not None else None
+        self._abort_now(set(request_ids) if request_ids is not None else None)
+
+    def _abort_now(self, ids: Optional[Set[str]]) -> None:
         keep: Deque[_Request] = deque()
         for req in self._pending:
             if ids is None or req.request_id in ids:
-                self._finish(req, [], "abort")
+                req.finish = "abort"
+                self._emit(req)
             else:
                 keep.append(req)
         self._pending = keep
         self._aborted.update(self._running if ids is None else ids & set(self._running))
+        if self._wakeup is not None:
+            self._wakeup.set()  # a paused engine finishes aborted rows now
 
     async def pause(self, mode: str = "keep") -> None:
         if mode not in ("keep", "abort"):
             raise ValueError(f"pause mode {mode!r}: choose 'keep' or 'abort'")
         self._ensure_started()
         self._paused = True
-        self._abort_on_pause = mode == "abort"
-        self._resumed.clear()
         if mode == "abort":
             await self.abort()
         async with self._step_lock:  # returns once the step in progress (if any) has finished
@@ -128,7 +162,6 @@ class EmbeddedEngine(RolloutEngine):
     async def resume(self) -> None:
         self._ensure_started()
         self._paused = False
-        self._resumed.set()
         self._wakeup.set()
 
     async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
@@ -137,6 +170,7 @@ class EmbeddedEngine(RolloutEngine):
         hf = dict(named_tensors)
         await asyncio.get_running_loop().run_in_executor(self._executor, self._load, hf)
         self._version = version
+        self._kv_stale = self._recompute_kv_on_update
 
     async def shutdown(self) -> None:
         if self._task is not None:
@@ -147,7 +181,8 @@ class EmbeddedEngine(RolloutEngine):
             except asyncio.CancelledError:
                 pass
             self._task = None
-        self._executor.shutdown(wait=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)
 
     # ------------------------------------------------------------------ internals
     @torch.no_grad()
@@ -160,96 +195,179 @@ class EmbeddedEngine(RolloutEngine):
                                   f"incoming {tuple(tensor.shape)}")
             state[name].copy_(tensor)
 
+    @property
+    def _rows(self) -> List[_Request]:
+        """The batch's unfinished rows, in row order."""
+        return [r for r in self._batch if r.finish is None]
+
     def _ensure_started(self) -> None:
         if self._task is None:
             self._wakeup = asyncio.Event()
-            self._resumed = asyncio.Event()
-            self._resumed.set()
             self._step_lock = asyncio.Lock()
             self._task = asyncio.get_running_loop().create_task(self._serve(), name="embedded-engine")
 
-    def _take_bucket(self) -> List[_Request]:
-        key = self._pending[0].bucket
-        batch, rest = [], deque()
-        for req in self._pending:
-            if req.bucket == key and len(batch) < self._gen.max_batch_size:
-                batch.append(req)
-            else:
-                rest.append(req)
-        self._pending = rest
-        return batch
-
-    async def _compute(self, fn, *args) -> bool:
-        """Run one model step on the compute thread; False if paused before it could start."""
+    async def _compute(self, fn, *args):
+        """Run one model step on the compute thread; None if paused before it could start."""
         async with self._step_lock:
             if self._paused:
-                return False
+                return None
             start = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+            out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
             self.stats.compute_s += time.perf_counter() - start
-            return True
+            return out
 
     async def _serve(self) -> None:
         try:
             while True:
-                while not self._pending or self._paused:
+                self._retire_aborted()
+                if self._paused or not (self._rows or self._pending):
                     self._wakeup.clear()
                     await self._wakeup.wait()
-                batch = self._take_bucket()
+                    continue
                 try:
-                    await self._run_batch(batch)
+                    await self._step()
                 except Exception as err:  # noqa: BLE001 - one bad batch must not kill the engine
-                    logger.exception("embedded engine batch failed")
-                    for req in batch:
-                        req.queue.put_nowait(err)
-                finally:
-                    for req in batch:
-                        self._running.pop(req.request_id, None)
-                        self._aborted.discard(req.request_id)
+                    logger.exception("embedded engine step failed")
+                    for req in list(self._running.values()):
+                        self._close(req, err)
+                    self._batch = []
         except asyncio.CancelledError:
             raise
         except BaseException as err:  # noqa: BLE001
             self._failure = err
             for req in list(self._pending) + list(self._running.values()):
-                req.queue.put_nowait(err)
+                self._close(req, err)
             raise
 
-    async def _run_batch(self, batch: List[_Request]) -> None:
-        self.stats.batches += 1
-        for req in batch:
+    async def _step(self) -> None:
+        """One model call: a rebuild, an admission of waiting requests, or a decode step."""
+        running = self._rows
+        if not running and not self._pending:
+            return
+        if not running or self._kv_stale:
+            await self._rebuild(running, self._admissible(running, in_place=False))
+            return
+        joining = self._admissible(running, in_place=True)
+        # Admit in blocks (each admission is a forward of its own), unless few are waiting.
+        if joining and len(joining) >= min(len(self._pending), max(1, self._gen.max_batch_size // 8)):
+            await self._admit(running, joining)
+            return
+        if not joining and self._pending:
+            # The offset has run too far for anyone to join in place: rebuild once at least as
+            # many newcomers as running rows would come in (the running rows are recomputed).
+            rebuilt = self._admissible(running, in_place=False)
+            if len(rebuilt) >= len(running):
+                await self._rebuild(running, rebuilt)
+                return
+        finished = len(self._batch) - len(running)
+        if finished >= max(8, len(self._batch) // 2):  # drop finished rows from the decode batch
+            await self._admit(running, [])
+            return
+        sampled = await self._compute(self._gen.decode, running[0].params)
+        if sampled is not None:
+            self.stats.decode_steps += 1
+            self.stats.decode_rows += len(running)
+            self._record(self._batch, *sampled)
+
+    async def _rebuild(self, running: List[_Request], joining: List[_Request]) -> None:
+        rows = running + joining
+        self._take(joining)
+        sampled = await self._compute(self._gen.prefill, [r.prompt_ids + r.tokens for r in rows], rows[0].params)
+        if sampled is None:  # paused first
+            self._untake(joining)
+            return
+        self._batch, self._kv_stale = rows, False
+        self.stats.prefills += 1
+        self._record(rows, *sampled)
+
+    async def _admit(self, running: List[_Request], joining: List[_Request]) -> None:
+        keep = [row for row, req in enumerate(self._batch) if req.finish is None]
+        self._take(joining)
+        sampled = await self._compute(self._gen.admit, keep, [r.prompt_ids + r.tokens for r in joining],
+                                      running[0].params)
+        if sampled is None:
+            self._untake(joining)
+            return
+        self._batch = [self._batch[row] for row in keep] + joining
+        if joining:
+            self.stats.admissions += 1
+        self._record(joining, *sampled)
+
+    def _take(self, joining: List[_Request]) -> None:
+        for req in joining:
+            self._pending.remove(req)
             self._running[req.request_id] = req
-        state = BatchState([r.request_id for r in batch], batch[0].params)
-        started = False
-        while True:
-            # Aborts first: a request aborted while the engine is paused must finish now.
-            for row, req in enumerate(batch):
-                if req.request_id in self._aborted and state.finished[row] is None:
-                    state.finished[row] = "abort"
-            if state.done:
-                break
-            if self._paused:
-                await self._resumed.wait()
-                continue
-            if not started:
-                started = await self._compute(self._gen.start, state, [r.prompt_ids for r in batch])
-            elif not await self._compute(self._gen.step, state):
-                continue
-            self._emit(batch, state)
-        self._emit(batch, state)
 
-    def _emit(self, batch: List[_Request], state: BatchState) -> None:
-        for row, req in enumerate(batch):
-            if req.emitted < 0:
-                continue  # already finished
-            new_tokens = state.tokens[row][req.emitted :]
-            reason = state.finished[row]
-            if not new_tokens and reason is None:
-                continue
-            self.stats.tokens += len(new_tokens)
-            self._finish(req, new_tokens, reason, state.logprobs[row][req.emitted :])
+    def _untake(self, joining: List[_Request]) -> None:
+        """Paused before the step ran: the newcomers wait at the head of the queue again."""
+        for req in reversed(joining):
+            del self._running[req.request_id]
+            self._pending.appendleft(req)
 
-    def _finish(self, req: _Request, tokens: List[int], reason: Optional[str],
-                logprobs: Optional[List[float]] = None) -> None:
-        req.queue.put_nowait(GenerationChunk(req.request_id, tokens, logprobs or [],
-                                             [self._version] * len(tokens), reason))
-        req.emitted = -1 if reason is not None else req.emitted + len(tokens)
+    def _admissible(self, running: List[_Request], in_place: bool) -> List[_Request]:
+        """Waiting requests that can join: same sampler settings, oldest first, while the rows
+        fit the batch and the cache, either at the current offset (``in_place``; a request too
+        long to join yet lets later ones pass, the offset only grows) or in a rebuilt batch."""
+        if not self._pending:
+            return []
+        sampler = running[0].sampler if running else self._pending[0].sampler
+        lengths = [r.length for r in running]
+        remaining = [r.remaining for r in running]
+        joining: List[_Request] = []
+        for req in self._pending:
+            if req.sampler != sampler:
+                continue
+            if in_place:
+                if len(running) + len(joining) >= self._gen.max_batch_size:
+                    break
+                if self._gen.can_admit(len(running) + len(joining), req.length, req.remaining):
+                    joining.append(req)
+                continue
+            if not self._gen.fits(lengths + [req.length], remaining + [req.remaining]):
+                break  # keep arrival order: later requests wait behind this one
+            joining.append(req)
+            lengths.append(req.length)
+            remaining.append(req.remaining)
+        return joining
+
+    def _record(self, rows: List[_Request], tokens: List[int], logprobs: List[float]) -> None:
+        """Append each row's sampled token (finished rows of the batch are ignored)."""
+        for req, tok, lp in zip(rows, tokens, logprobs):
+            if req.finish is not None:
+                continue
+            self.stats.tokens += 1
+            req.tokens.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self._version)
+            if tok in req.params.stop_token_ids:
+                req.finish = "stop"
+            elif req.remaining <= 0:
+                req.finish = "length"
+            self._emit(req)
+
+    def _retire_aborted(self) -> None:
+        for rid in list(self._aborted):
+            req = self._running.get(rid)
+            if req is not None and req.finish is None:
+                req.finish = "abort"
+                self._emit(req)
+        self._aborted.clear()
+
+    def _emit(self, req: _Request) -> None:
+        if req.closed:
+            return
+        if req.finish is None and (req.emitted == len(req.tokens) or not req.params.stream):
+            return
+        new = slice(req.emitted, len(req.tokens))
+        req.queue.put_nowait(GenerationChunk(req.request_id, req.tokens[new], req.logprobs[new],
+                                             req.versions[new], req.finish))
+        req.emitted = len(req.tokens)
+        if req.finish is not None:
+            req.closed = True
+            self._running.pop(req.request_id, None)
+
+    def _close(self, req: _Request, error: BaseException) -> None:
+        if not req.closed:
+            req.closed = True
+            req.queue.put_nowait(error)
+        self._running.pop(req.request_id, None)

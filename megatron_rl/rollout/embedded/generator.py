@@ -1,17 +1,28 @@
 """Batched, KV-cached decoding with the learner's own Megatron GPTModel.
 
 megatron-core's ``StaticInferenceContext`` holds the KV cache and shares one sequence offset
-across the batch, so prompts of different lengths are left-padded to a common length and padded
-key positions are masked out of attention. RoPE scores depend only on relative positions, so a
-row shifted right by its padding computes the same attention as the learner's unpadded forward
-(equal up to float rounding; the agreement test bounds it). The forward is the training forward,
-so logprobs agree with the learner's.
+across the batch, so sequences of different lengths are left-padded to a common length and
+padded key positions are masked out of attention. RoPE scores depend only on relative positions,
+so a row shifted right by its padding computes the same attention as the learner's unpadded
+forward (equal up to float rounding; the agreement test bounds it). The forward is the training
+forward, so logprobs agree with the learner's.
+
+Continuous batching on top of one shared offset P, two ways:
+- ``admit`` (cheap, the usual way): the running rows' cache rows are compacted to the front (a
+  copy, nothing recomputed) and the newcomers are prefilled into the rows after them, right-aligned
+  to end at P. The cache stores keys before RoPE and rotates them by slot index when read, so a
+  newcomer's tokens at slots P-len..P-1 see the same relative positions as in an unpadded forward.
+  It needs len <= P and P + the newcomer's budget <= the cache length.
+- ``prefill`` (a rebuild): any set of sequences (prompts, or prompts plus the tokens generated so
+  far) from slot 0. The engine uses it to start, when the offset has run too far to admit anyone,
+  and after new weights (the old weights' cache is recomputed, not reused).
+Rows aligned at their ends need ``longest sequence + largest remaining budget`` slots, so the cache
+is twice the model's context by default.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,43 +30,45 @@ from ...learner.learner import causal_mask
 from ...types import SamplingParams
 from ..sampling import sample_tokens
 
-
-@dataclass
-class BatchState:
-    """Decoding state of one batch of requests sharing sampling params."""
-
-    request_ids: List[str]
-    params: SamplingParams
-    tokens: List[List[int]] = field(default_factory=list)
-    logprobs: List[List[float]] = field(default_factory=list)
-    finished: List[Optional[str]] = field(default_factory=list)
-    last: Optional[torch.Tensor] = None        # [b] last sampled tokens, input of the next step
-    key_padding: Optional[torch.Tensor] = None  # [b, max_seq] True at left-padding slots
-
-    def __post_init__(self) -> None:
-        n = len(self.request_ids)
-        self.tokens = [[] for _ in range(n)]
-        self.logprobs = [[] for _ in range(n)]
-        self.finished = [None] * n
-
-    @property
-    def done(self) -> bool:
-        return all(f is not None for f in self.finished)
+Sampled = Tuple[List[int], List[float]]
 
 
 class KVCachedGenerator:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_seq_len: int,
-                 device: torch.device, seed: int = 0, pad_id: int = 0):
+                 device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None):
         from megatron.core.inference.contexts import StaticInferenceContext
 
         self.model = model
         self.device = device
         self.max_batch_size = max_batch_size
+        # Longest sequence (prompt + response) a request may reach: the model's context.
         self.max_seq_len = max_seq_len
+        self.cache_len = cache_len or 2 * max_seq_len
         self.pad_id = pad_id
-        self.context = StaticInferenceContext(max_batch_size, max_seq_len)
+        self.context = StaticInferenceContext(max_batch_size, self.cache_len)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.rows = 0
+        self._key_padding: Optional[torch.Tensor] = None  # [max_batch, cache_len] True where masked
+        self._last: Optional[torch.Tensor] = None  # [rows] last sampled tokens
+
+    def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len + max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
+                             f"the model's max_position_embeddings={self.max_seq_len}")
+
+    def fits(self, lengths: Sequence[int], remaining: Sequence[int]) -> bool:
+        """Whether rows of these current lengths and remaining token budgets share one rebuilt cache."""
+        return len(lengths) <= self.max_batch_size and max(lengths) + max(remaining) <= self.cache_len
+
+    @property
+    def offset(self) -> int:
+        return self.context.sequence_len_offset
+
+    def can_admit(self, running: int, length: int, remaining: int) -> bool:
+        """Whether a sequence can join ``running`` rows at the current offset without a rebuild."""
+        return (running + 1 <= self.max_batch_size and length <= self.offset
+                and self.offset + remaining <= self.cache_len)
 
     def _logits(self, tokens: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
@@ -65,48 +78,82 @@ class KVCachedGenerator:
         return logits[:, -1, :]
 
     @torch.no_grad()
-    def start(self, state: BatchState, prompts: List[List[int]]) -> None:
-        """Prefill the (left-padded) prompts and sample each row's first token."""
-        width = max(len(p) for p in prompts)
-        if len(prompts) > self.max_batch_size:
-            raise ValueError(f"batch of {len(prompts)} exceeds rollout.max_batch_size={self.max_batch_size}")
-        if width + state.params.max_new_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt of {width} tokens + max_new_tokens={state.params.max_new_tokens} "
-                f"exceeds the model's max_position_embeddings={self.max_seq_len}"
-            )
+    def prefill(self, sequences: List[List[int]], params: SamplingParams) -> Sampled:
+        """Start a new batch from these (left-padded) sequences; sample each row's next token."""
+        width = max(len(s) for s in sequences)
+        if len(sequences) > self.max_batch_size:
+            raise ValueError(f"batch of {len(sequences)} exceeds rollout.max_batch_size={self.max_batch_size}")
         self.context.reset()
-        tokens = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        padding = torch.zeros(len(prompts), self.max_seq_len, dtype=torch.bool)
-        for row, prompt in enumerate(prompts):
-            tokens[row, width - len(prompt) :] = torch.tensor(prompt)
-            padding[row, : width - len(prompt)] = True
-        state.key_padding = padding.to(self.device)
-        mask = causal_mask(width, self.device) | state.key_padding[:, None, None, :width]
+        self.rows = len(sequences)
+        tokens = torch.full((self.rows, width), self.pad_id, dtype=torch.long)
+        padding = torch.zeros(self.max_batch_size, self.cache_len, dtype=torch.bool)
+        for row, seq in enumerate(sequences):
+            tokens[row, width - len(seq) :] = torch.tensor(seq)
+            padding[row, : width - len(seq)] = True
+        self._key_padding = padding.to(self.device)
+        mask = causal_mask(width, self.device) | self._key_padding[: self.rows, None, None, :width]
         logits = self._logits(tokens.to(self.device), 0, mask)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
-        self._sample(state, logits)
+        return self._sample(logits, params)
 
     @torch.no_grad()
-    def step(self, state: BatchState) -> None:
-        """One decode step for every row (finished rows are computed but ignored)."""
-        position = self.context.sequence_len_offset
-        mask = state.key_padding[:, None, None, : position + 1]
-        logits = self._logits(state.last.unsqueeze(1), position, mask)
-        self.context.sequence_len_offset += 1
-        self._sample(state, logits)
+    def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams) -> Sampled:
+        """Keep rows ``keep`` (moved to the front, in that order), add ``sequences`` after them at the
+        current offset, and sample the newcomers' next tokens (only theirs are returned)."""
+        offset, n, m = self.offset, len(keep), len(sequences)
+        if n + m > self.max_batch_size:
+            raise ValueError(f"batch of {n + m} exceeds rollout.max_batch_size={self.max_batch_size}")
+        if keep != list(range(n)):
+            idx = torch.tensor(keep, device=self.device)
+            for key, value in self.context.key_value_memory_dict.values():
+                key[:offset, :n] = key[:offset, idx]
+                value[:offset, :n] = value[:offset, idx]
+            self._key_padding[:n] = self._key_padding[idx]
+            self._last = self._last[idx]
+        self.rows = n + m
+        self._last = self._last[:n]
+        if not m:
+            return [], []
+        width = max(len(seq) for seq in sequences)
+        if width > offset:
+            raise ValueError(f"a sequence of {width} tokens cannot join at offset {offset}")
+        start = offset - width
+        tokens = torch.full((m, width), self.pad_id, dtype=torch.long)
+        padding = torch.ones(m, self.cache_len, dtype=torch.bool)
+        padding[:, offset:] = False
+        for row, seq in enumerate(sequences):
+            tokens[row, width - len(seq) :] = torch.tensor(seq)
+            padding[row, offset - len(seq) : offset] = False
+        self._key_padding[n : n + m] = padding.to(self.device)
+        for key, value in self.context.key_value_memory_dict.values():
+            # Slots before the newcomers hold earlier rows' entries (or uninitialised memory):
+            # masked, but zeroed so that 0 * garbage cannot be NaN.
+            key[:start, n : n + m] = 0
+            value[:start, n : n + m] = 0
+        causal = torch.ones(width, offset, dtype=torch.bool, device=self.device).triu(start + 1)
+        mask = causal[None, None] | self._key_padding[n : n + m, None, None, :offset]
+        self.context.sequence_len_offset, self.context.batch_size_offset = start, n
+        try:
+            logits = self._logits(tokens.to(self.device), start, mask)
+        finally:
+            self.context.sequence_len_offset, self.context.batch_size_offset = offset, 0
+        new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
+        self._last = torch.cat([self._last, new])
+        return new.tolist(), logprobs.tolist()
 
-    def _sample(self, state: BatchState, logits: torch.Tensor) -> None:
-        p = state.params
-        new, logprobs = sample_tokens(logits, p.temperature, p.top_k, p.top_p, self.generator)
-        state.last = new
-        for row, (tok, lp) in enumerate(zip(new.tolist(), logprobs.tolist())):
-            if state.finished[row] is not None:
-                continue
-            state.tokens[row].append(tok)
-            state.logprobs[row].append(lp)
-            if tok in p.stop_token_ids:
-                state.finished[row] = "stop"
-            elif len(state.tokens[row]) >= p.max_new_tokens:
-                state.finished[row] = "length"
+    @torch.no_grad()
+    def decode(self, params: SamplingParams) -> Sampled:
+        """One decode step for every row of the batch (the caller ignores rows it has finished)."""
+        position = self.context.sequence_len_offset
+        if position >= self.cache_len:
+            raise RuntimeError(f"KV cache of {self.cache_len} slots is full")
+        mask = self._key_padding[: self.rows, None, None, : position + 1]
+        logits = self._logits(self._last.unsqueeze(1), position, mask)
+        self.context.sequence_len_offset += 1
+        return self._sample(logits, params)
+
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
+        new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
+        self._last = new
+        return new.tolist(), logprobs.tolist()
