@@ -20,6 +20,7 @@ USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] 
 def main(argv: Optional[List[str]] = None) -> int:
     from .config import ConfigError, load_config
     from .data.datasets import DatasetError
+    from .scheduler.controller import RolloutsStopped
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -47,6 +48,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConfigError, DatasetError) as err:
         print(f"megatron_rl: error: {err}", file=sys.stderr)
         return 2
+    except RolloutsStopped as err:
+        print(f"megatron_rl: error: {err}", file=sys.stderr)
+        return 1
     print(json.dumps(summary))
     return 0
 

@@ -31,9 +31,10 @@ from .data.datasets import Prompt
 from .learner.learner import Learner
 from .models.gpt import padded_vocab_size
 from .rewards import REWARDS, RewardRunner
-from .rollout.embedded import EmbeddedEngine
+from .rollout.embedded import EmbeddedEngine, EngineProcess
 from .rollout.workflow import single_turn
-from .scheduler.controller import AsyncController, GroupFailed
+from .rollout.engine import EngineError
+from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket
 from .scheduler.staleness import StalenessManager
 from .telemetry.metrics import MetricsWriter, Timeline
@@ -48,6 +49,22 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
+
+def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor):
+    r = cfg.rollout
+    if r.separate_process:
+        # Its own cores when it overlaps the learner (which then keeps the other half).
+        cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
+        if overlap and not torch.cuda.is_available():
+            torch.set_num_threads(max(1, cores - cores // 2))
+        return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
+                             cpu_threads=max(1, cores // 2) if overlap else cores,
+                             recompute_kv_on_update=r.recompute_kv_on_update)
+    # Without overlap the engine computes on the learner's thread: one thread team for the cores.
+    return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
+                          executor=None if overlap else learner_executor,
+                          recompute_kv_on_update=r.recompute_kv_on_update)
 
 
 def set_compute_threads(cpu_threads: int, overlap: bool) -> None:
@@ -85,17 +102,14 @@ class Trainer:
         setup_logging(self.run_dir / "logs" / "train.log")
         self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         overlap = cfg.scheduler.mode == "async" and cfg.scheduler.max_staleness > 0
-        set_compute_threads(cfg.trainer.cpu_threads, overlap)
+        set_compute_threads(cfg.trainer.cpu_threads, overlap and not cfg.rollout.separate_process)
         seed_everything(cfg.trainer.seed)
         self.tokenizer, prompts = build_data(cfg)
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.prompts = iter(prompts)
         vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
-        # Without overlap the engine computes on the learner's thread: one thread team for the cores.
-        self.engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed,
-                                     executor=None if overlap else self.learner_executor,
-                                     recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
+        self.engine = build_engine(cfg, vocab, overlap, self.learner_executor)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
                                     name=f"reward {cfg.reward.name}")
         r = cfg.rollout
@@ -240,8 +254,12 @@ class Trainer:
         """G samples of one prompt, scored; an aborted sample fails the group (prompt retried)."""
         g, p = self.cfg.algo.group_size, ticket.prompt
         with self.timeline.span("generate", group=ticket.index):
-            trajs = await asyncio.gather(*(
-                single_turn(self.engine, p, i, self.params, f"g{ticket.index}-{p.uid}-{i}") for i in range(g)))
+            try:
+                trajs = await asyncio.gather(*(
+                    single_turn(self.engine, p, i, self.params, f"g{ticket.index}-{p.uid}-{i}") for i in range(g)))
+            except EngineError:
+                self._raise_if_engine_gone()
+                raise
         aborted = sum(t.finish_reason == "abort" for t in trajs)
         if aborted:
             raise GroupFailed(f"{aborted} of {g} samples aborted")
@@ -257,7 +275,18 @@ class Trainer:
     async def publish(self, version: int) -> None:
         with self.timeline.span("sync", version=version):
             self.version = version
-            await self.sync_weights()
+            try:
+                await self.sync_weights()
+            except EngineError:
+                self._raise_if_engine_gone()
+                raise
+
+    def _raise_if_engine_gone(self) -> None:
+        failure = getattr(self.engine, "failure", None)
+        if failure:
+            raise RolloutsStopped(f"the rollout engine is gone ({failure}); the prompts it held were "
+                                  "returned to the queue and the run stopped. Its last words are in "
+                                  "logs/train.log") from None
 
     # ------------------------------------------------------------------ the run
     def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
@@ -311,7 +340,12 @@ class Trainer:
                     metrics["time/step_s"] = time.perf_counter() - t0
                     self.after_step(step, metrics, history, progress)
             else:
-                await self.controller.run(cfg.total_steps, on_step)
+                try:
+                    await self.controller.run(cfg.total_steps, on_step)
+                except RolloutsStopped:
+                    await self.controller.drain()
+                    await self.engine.shutdown()
+                    raise
                 await self.engine.abort()
                 await self.controller.drain()
         if cfg.save_final_checkpoint:

@@ -21,7 +21,7 @@ def _run_cli(run_dir, *overrides, timeout=900):
 
 
 def test_eta_zero_async_equals_sync_loop(tmp_path):
-    sync = _run_cli(tmp_path / "sync", "trainer.total_steps=12", "scheduler.mode=sync")
+    sync = _run_cli(tmp_path / "sync", "trainer.total_steps=12", "scheduler.mode=sync", "scheduler.max_staleness=0")
     async_ = _run_cli(tmp_path / "async", "trainer.total_steps=12", "scheduler.mode=async",
                       "scheduler.max_staleness=0")
     for key in ("reward/mean", "train/loss", "train/entropy", "train/grad_norm", "response/length_mean"):

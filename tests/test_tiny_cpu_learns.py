@@ -27,8 +27,8 @@ def test_tiny_cpu_recipe_learns_and_leaves_a_run_directory(tmp_path):
     for key in ("train/loss", "train/entropy", "train/clip_fraction", "response/length_mean",
                 "perf/generate_tokens_per_s", "time/step_s"):
         assert key in rows[-1]
-    # On-policy: the engine sampled with exactly the weights the learner recomputes with.
-    assert max(r["train/behav_logprob_gap"] for r in rows) < 1e-4
+    # The recipe is asynchronous with η = 1: samples are at most one version old, and some are.
+    assert max(r["staleness/max"] for r in rows) == 1
     assert (run_dir / "config.yaml").read_text().count("total_steps: 150") == 1
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     spans = [json.loads(line)["name"] for line in (run_dir / "timeline.jsonl").read_text().splitlines()]

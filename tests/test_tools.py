@@ -18,3 +18,16 @@ def test_plot_timeline_draws_every_span(tmp_path):
     svg = (tmp_path / "timeline.svg").read_text()
     assert svg.startswith("<svg") and svg.count("<rect") == 4
     assert ">generate<" in svg and ">train<" in svg and ">sync<" in svg
+
+
+def test_async_vs_sync_bench_prints_its_table():
+    """The benchmark runs end to end (a few steps of a small recipe) and prints both rows."""
+    root = TOOLS.parent
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "bench/async_vs_sync.py"), "--recipe", "tiny_cpu", "--steps", "3",
+         "--eta", "1", "algo.groups_per_batch=2", "algo.group_size=4", "learner.mini_batches=1"],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert any(line.split()[:1] == ["0"] for line in lines) and any(line.split()[:1] == ["1"] for line in lines)
+    assert "speed-up" in out.stdout

@@ -76,6 +76,9 @@ class RolloutConfig:
     # entries (vLLM-style: cheaper; the recorded behaviour logprobs are still the ones sampled
     # from, which is what the decoupled loss corrects for).
     recompute_kv_on_update: bool = False
+    # Run the embedded engine in a child process: its own Python interpreter, so on a CPU its
+    # decode loop and the learner's step do not take turns on one interpreter lock.
+    separate_process: bool = False
 
 
 @dataclass

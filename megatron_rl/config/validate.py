@@ -120,7 +120,7 @@ def validate(cfg: RootConfig) -> RootConfig:
     if cfg.scheduler.mode == "sync" and cfg.scheduler.max_staleness > 0:
         raise ConfigError(
             f"scheduler.max_staleness={cfg.scheduler.max_staleness} needs scheduler.mode=async "
-            "(the sync loop is always on-policy)"
+            "(the sync loop is always on-policy); for the sync loop add scheduler.max_staleness=0"
         )
     if d.distinct_digits and d.max_digits > len(set(d.digits)):
         raise ConfigError(

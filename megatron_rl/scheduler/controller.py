@@ -29,6 +29,11 @@ class GroupFailed(RuntimeError):
     """A group could not be completed (e.g. a request was aborted); its prompt is retried."""
 
 
+class RolloutsStopped(RuntimeError):
+    """No group can be completed any more (e.g. the engine process died): the run stops with
+    this error instead of retrying prompts forever."""
+
+
 class AsyncController:
     def __init__(self, ledger: PromptLedger, rollout: RolloutFn, train: TrainFn, publish: PublishFn,
                  timeline=None, train_executor: Optional[Executor] = None):
@@ -42,6 +47,7 @@ class AsyncController:
         self.version = 0
         self._changed: Optional[asyncio.Condition] = None
         self._tasks: set = set()
+        self._stopped: Optional[RolloutsStopped] = None
         self.learner_wait_s = 0.0
 
     async def run(self, steps: int, on_step: StepFn) -> None:
@@ -82,13 +88,15 @@ class AsyncController:
     async def _next_batch(self) -> List[FinishedGroup]:
         async with self._changed:
             while True:
+                if self._stopped is not None:
+                    raise self._stopped
                 batch = self.ledger.take_batch(self.version)
                 if batch is not None:
                     return batch
                 await self._changed.wait()
 
     async def _produce(self) -> None:
-        while True:
+        while self._stopped is None:
             while (ticket := self.ledger.admit(self.version)) is not None:
                 task = asyncio.create_task(self._run_group(ticket), name=f"group-{ticket.index}")
                 self._tasks.add(task)
@@ -105,6 +113,9 @@ class AsyncController:
         except GroupFailed as err:
             logger.info("group %s returned to the queue: %s", ticket.prompt.uid, err)
             self.ledger.fail(ticket, "aborted")
+        except RolloutsStopped as err:
+            self.ledger.fail(ticket, "stopped")
+            self._stopped = err
         except Exception as err:  # noqa: BLE001 - an engine error must not lose the prompt
             logger.warning("group %s failed (%r); prompt returned to the queue", ticket.prompt.uid, err)
             self.ledger.fail(ticket, "error")

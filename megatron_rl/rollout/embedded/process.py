@@ -1,0 +1,286 @@
+"""The embedded engine in a child process: same engine, its own interpreter.
+
+Inside one process the learner and the engine share the Python interpreter lock, so on a CPU
+(where both are Python-heavy) overlapping them buys little. ``EngineProcess`` runs an
+``EmbeddedEngine`` in a spawned child and speaks to it over a pipe: requests and aborts go down,
+chunks come back as they are produced, weights travel as HF-named tensors (torch shares their
+storage with the child instead of copying it through the pipe). If the child dies, every request
+in flight and every call waiting on it fails with an ``EngineError`` naming the exit code, so the
+controller returns their prompts to the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import os
+import threading
+from typing import Any, AsyncIterator, Dict, Iterable, Optional, Sequence, Tuple
+
+import torch
+import torch.multiprocessing as mp
+
+from ...config.schema import ModelConfig
+from ...types import GenerationChunk, SamplingParams
+from ..engine import EngineError, RolloutEngine
+from .engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+# Variables of an enclosing torchrun world: the child forms a world of its own.
+_WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+class EngineProcess(RolloutEngine):
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
+                 cpu_threads: int = 1, recompute_kv_on_update: bool = False, start_timeout_s: float = 300.0):
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        options = dict(model_cfg=dataclasses.asdict(model_cfg), vocab_size=vocab_size,
+                       max_batch_size=max_batch_size, seed=seed, cpu_threads=cpu_threads,
+                       recompute_kv_on_update=recompute_kv_on_update)
+        self._proc = ctx.Process(target=_child_main, args=(child, options), name="embedded-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(start_timeout_s):
+            self._proc.kill()
+            raise EngineError(f"engine process did not start within {start_timeout_s:.0f} s")
+        try:
+            kind, *rest = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise EngineError(f"engine process exited while starting (exit code {self._proc.exitcode})") from None
+        if kind != "ready":
+            raise EngineError(f"engine process failed to start: {rest[0]}")
+        self._version = 0
+        self._send_lock = threading.Lock()
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._reader: Optional[threading.Thread] = None
+        self._streams: Dict[str, asyncio.Queue] = {}
+        self._calls: Dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._failure: Optional[str] = None
+        self._closing = False
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ API
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine process is gone (None while it serves)."""
+        return self._failure
+
+    def weight_version(self) -> int:
+        return self._version
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        self._ensure_reader()
+        self._check_alive()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = queue
+        finished = False
+        try:
+            self._send(("generate", request_id, list(prompt_ids), params))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._failure is None:
+                try:
+                    self._send(("abort", [request_id]))
+                except EngineError:
+                    pass  # already recorded as the engine's failure
+
+    async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
+        await self._call("abort", list(request_ids) if request_ids is not None else None)
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._call("pause", mode)
+
+    async def resume(self) -> None:
+        await self._call("resume")
+
+    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        # Fresh contiguous copies: their storage is what torch hands to the child.
+        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors}
+        await self._call("update_weights", tensors, version)
+        self._version = version
+
+    async def shutdown(self) -> None:
+        self._closing = True
+        if self._proc.is_alive() and self._failure is None:
+            try:
+                await asyncio.wait_for(self._call("shutdown"), timeout=30)
+            except (EngineError, asyncio.TimeoutError):
+                pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+        self._conn.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (BrokenPipeError, OSError) as err:
+            self._fail(f"cannot reach the engine process ({err!r})")
+            raise EngineError(self._failure) from None
+
+    async def _call(self, name: str, *args: Any) -> Any:
+        self._ensure_reader()
+        self._check_alive()
+        call_id = next(self._call_ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = future
+        self._send(("call", call_id, name, args))
+        return await future
+
+    def _check_alive(self) -> None:
+        if self._failure is not None:
+            raise EngineError(self._failure)
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._loop = asyncio.get_running_loop()
+            self._reader = threading.Thread(target=self._read, name="engine-pipe", daemon=True)
+            self._reader.start()
+
+    def _read(self) -> None:
+        """Reader thread: hand each message from the child to the event loop."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if self._closing:
+                    return
+                self._proc.join(5)
+                reason = f"engine process exited (exit code {self._proc.exitcode})"
+                self._loop.call_soon_threadsafe(self._fail, reason)
+                return
+            self._loop.call_soon_threadsafe(self._dispatch, message)
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "chunk":
+            _, request_id, chunk = message
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(chunk)
+        elif kind == "error":
+            _, request_id, text = message
+            queue = self._streams.get(request_id)
+            if queue is not None:
+                queue.put_nowait(EngineError(text))
+        elif kind == "reply":
+            _, call_id, error, stats = message
+            self.stats = stats
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(None)
+                else:
+                    future.set_exception(EngineError(error))
+        elif kind == "stats":
+            self.stats = message[1]
+
+    def _fail(self, reason: str) -> None:
+        if self._failure is not None:
+            return
+        self._failure = reason
+        logger.error("%s; %d requests in flight fail", reason, len(self._streams))
+        for queue in self._streams.values():
+            queue.put_nowait(EngineError(reason))
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineError(reason))
+        self._calls.clear()
+
+
+# ---------------------------------------------------------------------- the child
+def _child_main(conn, options: Dict[str, Any]) -> None:
+    for key in _WORLD_ENV:
+        os.environ.pop(key, None)
+    try:
+        from ...learner.parallel import init_model_parallel
+        from ...telemetry.run_dir import setup_logging
+        from .engine import EmbeddedEngine
+
+        setup_logging()
+        torch.set_num_threads(options["cpu_threads"])
+        init_model_parallel(1, 1, seed=options["seed"])
+        engine = EmbeddedEngine(ModelConfig(**options["model_cfg"]), options["vocab_size"],
+                                options["max_batch_size"], seed=options["seed"],
+                                recompute_kv_on_update=options["recompute_kv_on_update"])
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
+        conn.send(("failed", repr(err)))
+        return
+    conn.send(("ready",))
+    asyncio.run(_ChildServer(conn, engine).run())
+
+
+class _ChildServer:
+    def __init__(self, conn, engine) -> None:
+        self.conn, self.engine = conn, engine
+        self.tasks: Dict[str, asyncio.Task] = {}
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+
+        def read() -> None:
+            while True:
+                try:
+                    message = self.conn.recv()
+                except (EOFError, OSError):  # the parent is gone: stop
+                    message = ("call", -1, "shutdown", ())
+                loop.call_soon_threadsafe(inbox.put_nowait, message)
+                if message[0] == "call" and message[2] == "shutdown":
+                    return
+
+        threading.Thread(target=read, name="engine-inbox", daemon=True).start()
+        while True:
+            message = await inbox.get()
+            if message[0] == "generate":
+                _, request_id, prompt_ids, params = message
+                self.tasks[request_id] = asyncio.create_task(self.stream(request_id, prompt_ids, params))
+            elif message[0] == "abort":
+                await self.engine.abort(message[1])
+            elif message[0] == "call":
+                _, call_id, name, args = message
+                error = None
+                try:
+                    await getattr(self.engine, name)(*args)
+                except Exception as err:  # noqa: BLE001 - the parent raises it
+                    error = f"{name} failed in the engine process: {err}"
+                if name == "shutdown":
+                    await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+                self.reply(("reply", call_id, error, self.engine.stats))
+                if name == "shutdown":
+                    return
+
+    async def stream(self, request_id: str, prompt_ids, params: SamplingParams) -> None:
+        try:
+            async for chunk in self.engine.generate(request_id, prompt_ids, params):
+                self.reply(("chunk", request_id, chunk))
+            self.reply(("stats", self.engine.stats))
+        except Exception as err:  # noqa: BLE001 - the parent raises it for this request
+            self.reply(("error", request_id, str(err)))
+        finally:
+            self.tasks.pop(request_id, None)
+
+    def reply(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, OSError):
+            pass  # the parent is gone; the inbox reader stops the loop

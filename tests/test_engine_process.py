@@ -1,0 +1,97 @@
+"""The embedded engine in a child process: same results as in-process, weights travel, and a
+dead engine process fails its requests (and the run) with a clear error instead of hanging."""
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from megatron_rl.config.schema import RootConfig
+from megatron_rl.learner.learner import Learner
+from megatron_rl.rollout.embedded import EngineProcess
+from megatron_rl.rollout.engine import EngineError
+from megatron_rl.types import SamplingParams
+
+from engine_helpers import generate_all
+
+VOCAB = 48
+
+
+def _cfg() -> RootConfig:
+    cfg = RootConfig()
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size = 64, 128
+    return cfg
+
+
+def test_child_process_engine_logprobs_equal_the_learners(megatron_world):
+    """Weights sent to the child arrive intact: its sampled tokens carry the learner's logprobs
+    and the version they were sent as."""
+    cfg = _cfg()
+    learner = Learner(cfg, VOCAB)
+    prompts = [[(3 * i + j) % 40 + 1 for j in range(2 + i)] for i in range(8)]
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(7,), stream=False)
+
+    async def run():
+        engine = EngineProcess(cfg.model, VOCAB, seed=11)
+        await engine.pause()
+        await engine.update_weights(learner.export_hf_weights(), version=3)
+        await engine.resume()
+        trajs = await generate_all(engine, prompts, params)
+        await engine.shutdown()
+        return trajs, engine.stats
+
+    trajs, stats = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert all(t.versions == [3] * len(t.response_ids) and t.response_ids for t in trajs)
+    assert stats.tokens == sum(len(t.response_ids) for t in trajs)  # counters come back too
+    ours = learner.compute_logprobs(trajs, 1.0)
+    gap = max(abs(a - b) for t, row in zip(trajs, ours) for a, b in zip(t.logprobs, row))
+    assert gap <= 1e-5, gap
+
+
+def test_killed_engine_process_fails_requests_with_a_clear_error(megatron_world):
+    cfg = _cfg()
+
+    async def run():
+        engine = EngineProcess(cfg.model, VOCAB, seed=1)
+        params = SamplingParams(max_new_tokens=40)
+        stream = engine.generate("r0", [1, 2, 3], params)
+        first = await stream.__anext__()  # the child is serving
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="engine process exited"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineError, match="engine process exited"):
+            await engine.pause()
+        assert engine.failure
+        await engine.shutdown()
+        return first
+
+    first = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert first.token_ids
+
+
+def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_world, tmp_path):
+    """Killing the engine process mid-run ends the run with RolloutsStopped (no hang, no endless
+    retries), and the ledger still accounts for every admitted prompt."""
+    from megatron_rl.config import load_config
+    from megatron_rl.scheduler.controller import RolloutsStopped
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [
+        "trainer.total_steps=50", f"trainer.run_dir={tmp_path}", "trainer.progress=false",
+        "trainer.save_final_checkpoint=false", "scheduler.max_staleness=1", "rollout.separate_process=true",
+        "algo.groups_per_batch=4", "algo.group_size=4"])
+    trainer = Trainer(cfg)
+    real_after_step = trainer.after_step
+
+    def kill_at_step_3(step, *args):
+        real_after_step(step, *args)
+        if step == 3:
+            os.kill(trainer.engine._proc.pid, signal.SIGKILL)
+
+    trainer.after_step = kill_at_step_3
+    with pytest.raises(RolloutsStopped, match="engine process exited"):
+        trainer.run()
+    assert trainer.ledger.balanced()
+    assert trainer.ledger.counts["returned_stopped"] >= 1
