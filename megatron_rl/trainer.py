@@ -23,7 +23,7 @@ from typing import Dict, List, Sequence, Tuple
 import numpy as np
 import torch
 
-from .algorithms import group_relative_advantages
+from .algorithms import compute_advantages
 from .checkpoint import save_checkpoint
 from .config.schema import RootConfig
 from .data.build import build_data
@@ -150,7 +150,9 @@ class Trainer:
 
     def assign_advantages(self, groups: List[List[Trajectory]]) -> None:
         rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
-        adv = group_relative_advantages(rewards, self.cfg.algo.normalize_adv_by_std, self.cfg.algo.adv_eps)
+        lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
+        a = self.cfg.algo
+        adv = compute_advantages(a.name, rewards, lengths, a.adv_eps, a.normalize_adv_by_std)
         for grp, row in zip(groups, adv.tolist()):
             for traj, a in zip(grp, row):
                 traj.advantage = a

@@ -1,7 +1,9 @@
 """Advantage estimators and policy losses: pure functions over tensors."""
 
-from .advantages import group_relative_advantages
+from .advantages import (ADVANTAGE_ESTIMATORS, batch_whitened_advantages, compute_advantages,
+                         group_relative_advantages, leave_one_out_advantages)
 from .kl import kl_penalty
 from .policy_loss import ppo_clip_loss
 
-__all__ = ["group_relative_advantages", "kl_penalty", "ppo_clip_loss"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "batch_whitened_advantages", "compute_advantages",
+           "group_relative_advantages", "kl_penalty", "leave_one_out_advantages", "ppo_clip_loss"]

@@ -21,3 +21,58 @@ def group_relative_advantages(rewards: torch.Tensor, normalize_by_std: bool = Tr
     if rewards.shape[1] < 2:
         raise ValueError("group-normalised advantages need group_size >= 2")
     return centred / (rewards.std(dim=1, keepdim=True) + eps)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO advantages for rewards shaped [groups, group_size] (Ahmadian et al. 2024, after
+    Kool et al. 2019): each sample's baseline is the mean reward of the *other* samples of its
+    group, A_i = r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) · (r_i - mean).
+    """
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [groups, group_size], got shape {tuple(rewards.shape)}")
+    n = rewards.shape[1]
+    if n < 2:
+        raise ValueError("leave-one-out advantages need group_size >= 2")
+    others = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+    return rewards - others
+
+
+def batch_whitened_advantages(rewards: torch.Tensor, lengths: torch.Tensor, subtract_group_mean: bool = False,
+                              eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025) for outcome rewards shaped [groups, group_size].
+
+    Every response token carries its sequence's return; the returns are whitened over all tokens
+    of the batch (global, not per group): A = (R - mean_tokens) / (std_tokens + eps), where the
+    token-level mean and std weight each sequence by its length ``lengths`` [groups, group_size].
+    ``subtract_group_mean`` first subtracts each group's mean reward (REINFORCE++-baseline).
+    Zero-length sequences get advantage 0 (they have no token to carry it).
+    """
+    if rewards.shape != lengths.shape or rewards.dim() != 2:
+        raise ValueError(f"rewards {tuple(rewards.shape)} and lengths {tuple(lengths.shape)} must both be "
+                         "[groups, group_size]")
+    returns = rewards - rewards.mean(dim=1, keepdim=True) if subtract_group_mean else rewards
+    weights = lengths.to(returns.dtype)
+    total = weights.sum()
+    if total <= 0:
+        return torch.zeros_like(returns)
+    mean = (weights * returns).sum() / total
+    var = (weights * (returns - mean) ** 2).sum() / total
+    return torch.where(weights > 0, (returns - mean) / (var.sqrt() + eps), torch.zeros_like(returns))
+
+
+# algo.name -> how its advantages are computed from [groups, group_size] rewards and lengths.
+ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+
+
+def compute_advantages(name: str, rewards: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-6,
+                       normalize_by_std: bool = True) -> torch.Tensor:
+    """Sequence advantages of one batch for the estimator ``algo.name``."""
+    if name == "grpo":
+        return group_relative_advantages(rewards, normalize_by_std, eps)
+    if name == "dr_grpo":
+        return group_relative_advantages(rewards, normalize_by_std=False)
+    if name == "rloo":
+        return leave_one_out_advantages(rewards)
+    if name in ("reinforce_pp", "reinforce_pp_baseline"):
+        return batch_whitened_advantages(rewards, lengths, name == "reinforce_pp_baseline", eps)
+    raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}")

@@ -97,6 +97,9 @@ class SchedulerConfig:
 
 @dataclass
 class AlgoConfig:
+    # The advantage estimator: grpo (group mean/std) | dr_grpo (group mean only) | rloo
+    # (leave-one-out mean) | reinforce_pp (returns whitened over the batch's tokens) |
+    # reinforce_pp_baseline (group mean subtracted first).
     name: str = "grpo"
     group_size: int = 8
     # Groups (prompts) per training batch; each contributes group_size samples.

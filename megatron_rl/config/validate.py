@@ -16,7 +16,7 @@ ALLOWED = {
     "model.dtype": ("fp32", "bf16"),
     "rollout.engine": ("embedded",),
     "rollout.placement": ("colocated",),
-    "algo.name": ("grpo",),
+    "algo.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": ("decoupled", "ppo"),
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
