@@ -56,7 +56,7 @@ def _learner(perturb_seed: int = 0) -> Learner:
         gen = torch.Generator().manual_seed(perturb_seed)
         with torch.no_grad():
             for p in learner.model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.device))
     return learner
 
 

@@ -134,7 +134,7 @@ class EngineProcess(RolloutEngine):
             with self._send_lock:
                 self._conn.send(message)
         except (BrokenPipeError, OSError) as err:
-            self._fail(f"cannot reach the engine process ({err!r})")
+            self._fail(self._exit_reason(f"the pipe broke: {err!r}"))
             raise EngineError(self._failure) from None
 
     async def _call(self, name: str, *args: Any) -> Any:
@@ -164,9 +164,7 @@ class EngineProcess(RolloutEngine):
             except (EOFError, OSError):
                 if self._closing:
                     return
-                self._proc.join(5)
-                reason = f"engine process exited (exit code {self._proc.exitcode})"
-                self._loop.call_soon_threadsafe(self._fail, reason)
+                self._loop.call_soon_threadsafe(self._fail, self._exit_reason("its pipe closed"))
                 return
             self._loop.call_soon_threadsafe(self._dispatch, message)
 
@@ -193,6 +191,10 @@ class EngineProcess(RolloutEngine):
                     future.set_exception(EngineError(error))
         elif kind == "stats":
             self.stats = message[1]
+
+    def _exit_reason(self, how: str) -> str:
+        self._proc.join(5)
+        return f"engine process exited (exit code {self._proc.exitcode}; {how})"
 
     def _fail(self, reason: str) -> None:
         if self._failure is not None:
