@@ -102,3 +102,39 @@ def test_decoupled_equals_ppo_when_behaviour_is_proximal():
     a, _ = decoupled_ppo_loss(new, old, old, adv, mask, 0.2, 0.28, behaviour_weight_cap=5.0)
     b, _ = ppo_clip_loss(new, old, adv, mask, 0.2, 0.28)
     assert torch.equal(a, b)
+
+
+def _agg_reference(losses, masks, mode, norm_length):
+    """Float64 loops, straight from the definitions (no shared code)."""
+    rows = [(l, m) for l, m in zip(losses, masks) if sum(m) > 0]
+    n = len(rows)
+    if mode == "token-mean":
+        return sum(x * y for l, m in rows for x, y in zip(l, m)) / sum(sum(m) for _, m in rows)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(x * y for x, y in zip(l, m)) / sum(m) for l, m in rows) / n
+    total = sum(x * y for l, m in rows for x, y in zip(l, m))
+    return total / n if mode == "seq-mean-token-sum" else total / (n * norm_length)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+def test_loss_aggregation_matches_reference_and_adds_up_over_micro_batches(mode):
+    from megatron_rl.algorithms.policy_loss import aggregate_loss
+
+    gen = torch.Generator().manual_seed(0)
+    losses = torch.randn(7, 9, generator=gen, dtype=torch.float64)
+    lengths = [9, 1, 4, 0, 6, 2, 9]  # row 3 is filler
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(9)] for n in lengths], dtype=torch.float64)
+    ref = _agg_reference(losses.tolist(), mask.tolist(), mode, norm_length=12)
+    num, den = aggregate_loss(losses, mask, mode, norm_length=12)
+    assert (num / den).item() == pytest.approx(ref, rel=1e-12)
+    # Split into micro-batches of 3, 1 and 3 rows: numerators and denominators add up.
+    parts = [aggregate_loss(losses[a:b], mask[a:b], mode, norm_length=12) for a, b in ((0, 3), (3, 4), (4, 7))]
+    assert (sum(p[0] for p in parts) / sum(p[1] for p in parts)).item() == pytest.approx(ref, rel=1e-12)
+
+
+def test_loss_aggregation_rejects_unknown_mode():
+    from megatron_rl.algorithms.policy_loss import aggregate_loss
+
+    with pytest.raises(ValueError, match="unknown loss aggregation"):
+        aggregate_loss(torch.ones(1, 2), torch.ones(1, 2), "sum")

@@ -136,3 +136,20 @@ def test_single_step_batches_take_proximal_logprobs_from_the_training_forward(me
         for key in ("train/loss", "train/clip_fraction", "train/behav_logprob_gap", "train/entropy"):
             assert abs(m_fused[key] - m_two[key]) <= 1e-6, (policy_loss, key, m_fused[key], m_two[key])
         assert max((a - b).abs().max().item() for a, b in zip(w_fused, w_two)) <= 1e-5
+
+
+def test_loss_aggregation_modes_add_up_over_micro_batches(megatron_world):
+    """Through Megatron's schedule (which divides the summed gradients by the summed
+    denominators), each aggregation gives the same gradient whether the batch is one micro-batch
+    or several of different lengths."""
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        results = []
+        for budget in (16, 4096):  # several micro-batches vs one
+            cfg = _cfg()
+            cfg.algo.loss_agg_mode = mode
+            cfg.learner.micro_batch_tokens = budget
+            learner = Learner(cfg, VOCAB)
+            learner.train_step(copy.deepcopy(_long_tailed_batch()), 1.0, lr=1e-3)
+            results.append([p.main_grad.detach().clone() for p in learner.model.parameters()])
+        scale = max(g.abs().max().item() for g in results[1])
+        assert max((a - b).abs().max().item() for a, b in zip(*results)) <= 1e-5 * scale, mode

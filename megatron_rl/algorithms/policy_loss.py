@@ -53,3 +53,35 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
         stats["capped_tokens"] = (mask - keep).sum()
         stats["behav_weight_sum"] = (weight * mask).sum()
     return loss * weight, stats
+
+
+# algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+                   norm_length: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(numerator, denominator) of the aggregated loss of rows [b, s] of per-token losses.
+
+    Returned as a pair so that micro-batches add up: the loss of a whole batch is
+    sum(numerators) / sum(denominators), which is how Megatron's per-token loss mode divides.
+      token-mean:              Σ_it l_it / Σ_it m_it            (every token weighs the same; DAPO)
+      seq-mean-token-mean:     Σ_i (Σ_t l_it / |o_i|) / N       (every sequence weighs the same; GRPO paper)
+      seq-mean-token-sum:      Σ_i Σ_t l_it / N
+      seq-mean-token-sum-norm: Σ_i Σ_t l_it / (N · norm_length)  (Dr.GRPO: a constant, e.g. the
+                               generation budget, instead of each response's own length)
+    N counts rows with at least one masked token (filler rows count for nothing).
+    """
+    masked = token_loss * mask
+    if mode == "token-mean":
+        return masked.sum(), mask.sum()
+    lengths = mask.sum(dim=1)
+    rows = (lengths > 0).to(token_loss.dtype)
+    if mode == "seq-mean-token-mean":
+        per_row = masked.sum(dim=1) / lengths.clamp(min=1)
+        return (per_row * rows).sum(), rows.sum()
+    if mode == "seq-mean-token-sum":
+        return masked.sum(), rows.sum()
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum(), rows.sum() * norm_length
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGG_MODES}")

@@ -111,6 +111,9 @@ class AlgoConfig:
     policy_loss: str = "decoupled"
     # Tokens with π_prox/π_behav above this are left out of the loss (0 disables the cap).
     behav_imp_weight_cap: float = 5.0
+    # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO:
+    # token sums over a constant, rollout.max_new_tokens).
+    loss_agg_mode: str = "token-mean"
     # Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring.
     normalize_adv_by_std: bool = True
     adv_eps: float = 1e-6

@@ -19,6 +19,7 @@ ALLOWED = {
     "algo.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": ("decoupled", "ppo"),
+    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "scheduler.mode": ("async", "sync"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),

@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithms import kl_penalty, ppo_clip_loss
-from ..algorithms.policy_loss import decoupled_ppo_loss
+from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss
 from ..config.schema import RootConfig
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
@@ -206,6 +206,8 @@ class Learner:
             stats["kl_sum"] = kl.detach().sum()
         num_tokens = mask.sum()
         total = loss.sum()
+        # What the optimizer step averages over (Megatron divides by the summed denominators).
+        objective, denominator = aggregate_loss(loss, mask, algo.loss_agg_mode, self.cfg.rollout.max_new_tokens)
         stats.update(
             loss_sum=total.detach(),
             entropy_sum=(entropy.detach() * mask).sum(),
@@ -213,7 +215,7 @@ class Learner:
             behav_logprob_gap_sum=((old - mb.behav_logprobs).abs() * mask).sum(),
             tokens=num_tokens.detach(),
         )
-        return total, num_tokens.to(torch.int), stats
+        return objective, denominator.round().to(torch.int), stats
 
     # ---------------------------------------------------------------- weights out
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
