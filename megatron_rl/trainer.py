@@ -31,6 +31,7 @@ from .data.datasets import Prompt
 from .learner.learner import Learner
 from .models.gpt import padded_vocab_size
 from .rewards import REWARDS, RewardRunner
+from .rewards.shaping import overlong_penalty
 from .rollout.embedded import EmbeddedEngine, EngineProcess
 from .rollout.workflow import single_turn
 from .rollout.engine import EngineError
@@ -123,9 +124,11 @@ class Trainer:
         sc = cfg.scheduler
         self.ledger = PromptLedger(self.prompts, StalenessManager(
             sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts),
-            max_ahead_groups=sc.max_ahead_batches * cfg.algo.groups_per_batch)
+            max_ahead_groups=sc.max_ahead_batches * cfg.algo.groups_per_batch,
+            filter_equal_rewards=cfg.algo.filter_groups)
         self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
-                                          train_executor=self.learner_executor)
+                                          train_executor=self.learner_executor,
+                                          max_filtered_batches=cfg.algo.filter_max_batches)
         logger.info("run directory: %s", self.run_dir)
 
     # ------------------------------------------------------------------ pieces of a step
@@ -144,9 +147,11 @@ class Trainer:
         jobs = [self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target)
                 for p, grp in zip(prompts, groups) for t in grp]
         scores = iter(await asyncio.gather(*jobs))
+        rc = self.cfg.reward
         for grp in groups:
             for traj in grp:
-                traj.reward = next(scores)
+                traj.reward = next(scores) + overlong_penalty(
+                    len(traj.response_ids), self.cfg.rollout.max_new_tokens, rc.overlong_buffer, rc.overlong_penalty)
 
     def assign_advantages(self, groups: List[List[Trajectory]]) -> None:
         rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
@@ -327,6 +332,7 @@ class Trainer:
                 "queue/buffered_groups": float(len(self.ledger.buffer)),
                 "queue/running_groups": float(self.ledger.in_flight),
                 "queue/returned_total": float(self.ledger.counts["returned"]),
+                "queue/filtered_total": float(self.ledger.counts["filtered"]),
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
                 **self.engine_metrics(),
             })

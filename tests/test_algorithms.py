@@ -138,3 +138,52 @@ def test_loss_aggregation_rejects_unknown_mode():
 
     with pytest.raises(ValueError, match="unknown loss aggregation"):
         aggregate_loss(torch.ones(1, 2), torch.ones(1, 2), "sum")
+
+
+def test_dual_clip_by_hand():
+    from megatron_rl.algorithms.policy_loss import ppo_clip_loss
+
+    # A = -1, r = e^2 ≈ 7.39: PPO's min(r·A, clip(r)·A) = -7.39; dual clip c = 3 bounds it at -3.
+    lp, old = torch.tensor([[2.0, 0.0, 2.0]]), torch.zeros(1, 3)
+    adv, mask = torch.tensor([[-1.0, -1.0, 1.0]]), torch.ones(1, 3)
+    plain, _ = ppo_clip_loss(lp, old, adv, mask, 0.2, 0.2)
+    dual, _ = ppo_clip_loss(lp, old, adv, mask, 0.2, 0.2, dual_clip=3.0)
+    assert plain[0, 0].item() == pytest.approx(math.exp(2.0))
+    assert dual[0, 0].item() == pytest.approx(3.0)
+    # r = 1 (unclipped) and positive advantages are untouched.
+    assert dual[0, 1].item() == plain[0, 1].item() == pytest.approx(1.0)
+    assert dual[0, 2].item() == plain[0, 2].item() == pytest.approx(-1.2)
+
+
+def _gspo_reference(lp, old, adv, lengths, clip_low, clip_high):
+    """GSPO objective from the paper, float64: mean over sequences of -min(s·A, clip(s)·A),
+    s = exp(mean over the sequence's tokens of the log-ratio)."""
+    total = 0.0
+    for i, n in enumerate(lengths):
+        s = torch.exp((lp[i, :n] - old[i, :n]).mean())
+        a = adv[i, 0]
+        total = total - torch.minimum(s * a, torch.clamp(s, 1 - clip_low, 1 + clip_high) * a)
+    return total / len(lengths)
+
+
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.5, 0.5)])
+def test_gspo_value_and_gradient_match_the_sequence_level_objective(clip):
+    from megatron_rl.algorithms.policy_loss import aggregate_loss, gspo_loss
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 3, 4]
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(5)] for n in lengths], dtype=torch.float64)
+    old = -torch.rand(4, 5, generator=gen, dtype=torch.float64) * 2
+    lp = (old + 0.05 * torch.randn(4, 5, generator=gen, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.tensor([[1.0], [-0.5], [2.0], [-1.5]], dtype=torch.float64).expand(4, 5)
+
+    loss, _ = gspo_loss(lp, old, adv, mask, *clip)
+    num, den = aggregate_loss(loss, mask, "seq-mean-token-mean")
+    ours = num / den
+    (grad_ours,) = torch.autograd.grad(ours, lp)
+
+    lp_ref = lp.detach().clone().requires_grad_(True)
+    ref = _gspo_reference(lp_ref, old, adv, lengths, *clip)
+    (grad_ref,) = torch.autograd.grad(ref, lp_ref)
+    assert ours.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-14)
+    assert torch.allclose(grad_ours * mask, grad_ref * mask, atol=1e-12)

@@ -38,6 +38,9 @@ def test_tiny_cpu_loads_and_overrides():
         ("learner.min_lr=0.5", "learner.min_lr=0.5 must be <= learner.lr"),
         ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),
         ("data.length_tail=-1", "data.length_tail=-1.0 must be >= 0"),
+        ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
+        ("algo.filter_groups=true scheduler.mode=sync scheduler.max_staleness=0", "needs scheduler.mode=async"),
+        ("reward.overlong_buffer=8", "reward.overlong_buffer=8 exceeds rollout.max_new_tokens=7"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

@@ -53,3 +53,14 @@ def test_async_score_survives_raise_and_hang():
     # Still serving after the hang: fresh workers took over.
     assert asyncio.run(run()) == [1.0, 0.0, 0.0, 1.0]
     runner.close()
+
+
+def test_overlong_penalty_by_hand():
+    from megatron_rl.rewards.shaping import overlong_penalty
+
+    # L_max = 20, L_cache = 4: free up to 16, then -1/4 per token, -1 at 20 and beyond.
+    assert [overlong_penalty(n, 20, 4) for n in (10, 16, 17, 18, 20, 25)] == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0]
+    assert overlong_penalty(18, 20, 4, factor=0.5) == -0.25
+    assert overlong_penalty(20, 20, 0) == 0.0  # disabled
+    with pytest.raises(ValueError, match="exceeds the maximum length"):
+        overlong_penalty(5, 4, 8)

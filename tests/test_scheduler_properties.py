@@ -18,8 +18,11 @@ def _prompts():
         yield Prompt(f"p{i}", "", [1], "")
 
 
-def _group(ticket, token_version):
-    return [Trajectory(ticket.prompt.uid, 0, [1], [2, 3], [-1.0, -1.0], [token_version] * 2, "stop")]
+def _group(ticket, token_version, equal_rewards=False):
+    group = [Trajectory(ticket.prompt.uid, i, [1], [2, 3], [-1.0, -1.0], [token_version] * 2, "stop")
+             for i in range(2)]
+    group[0].reward, group[1].reward = (1.0, 1.0) if equal_rewards else (0.0, 1.0)
+    return group
 
 
 @st.composite
@@ -27,6 +30,8 @@ def workloads(draw):
     return dict(
         eta=draw(st.integers(0, 4)),
         ahead=draw(st.sampled_from([0, 1, 2, 3])),  # scheduler.max_ahead_batches
+        filter=draw(st.booleans()),  # algo.filter_groups
+        equal_every=draw(st.sampled_from([2, 3, 7])),  # every k-th group has all-equal rewards
         batch=draw(st.integers(1, 4)),
         concurrent=draw(st.integers(1, 24)),
         steps=draw(st.integers(1, 12)),
@@ -44,10 +49,11 @@ def workloads(draw):
 def simulate(w):
     """A discrete-event run of the controller policy; returns what was trained and the ledger."""
     manager = StalenessManager(w["eta"], w["batch"], w["concurrent"])
-    ledger = PromptLedger(_prompts(), manager, max_ahead_groups=w["ahead"] * w["batch"])
+    ledger = PromptLedger(_prompts(), manager, max_ahead_groups=w["ahead"] * w["batch"],
+                          filter_equal_rewards=w["filter"])
     clock, version, events, seq = 0, 0, [], itertools.count()
     training = False
-    trained_staleness, consumed = [], Counter()
+    trained_staleness, consumed, filtered = [], Counter(), set()
     steps_done = 0
     pick = lambda xs, i: xs[i % len(xs)]  # noqa: E731
 
@@ -62,6 +68,8 @@ def simulate(w):
             batch = ledger.take_batch(version)
             if batch is not None:
                 for group in batch:
+                    if w["filter"]:  # dynamic sampling: only informative groups are trained
+                        assert len({t.reward for t in group.trajectories}) > 1
                     trained_staleness.append(version - group.oldest_version)
                     consumed[group.ticket.prompt.uid] += 1
                 training = True
@@ -75,33 +83,37 @@ def simulate(w):
         clock, _, kind, ticket, token_version = heapq.heappop(events)
         if kind == "finish":
             # A queued group cannot have tokens from a version that does not exist yet.
-            ledger.finish(ticket, _group(ticket, min(token_version, version)))
+            equal = (ticket.index + 1) % w["equal_every"] == 0
+            if equal and w["filter"]:
+                filtered.add(ticket.prompt.uid)
+            ledger.finish(ticket, _group(ticket, min(token_version, version), equal))
         elif kind == "fail":
             ledger.fail(ticket, "engine")
         else:
             training = False
             version += 1
             steps_done += 1
-    return trained_staleness, consumed, ledger, version
+    return trained_staleness, consumed, ledger, version, filtered
 
 
 @settings(max_examples=3000, deadline=None)
 @given(workloads())
 def test_no_trained_sample_exceeds_eta_nothing_lost_no_deadlock(w):
-    staleness, consumed, ledger, version = simulate(w)
+    staleness, consumed, ledger, version, filtered = simulate(w)
     assert version == w["steps"]
     assert len(staleness) == w["steps"] * w["batch"]
     assert all(0 <= s <= w["eta"] for s in staleness), (staleness, w["eta"])
     assert all(n == 1 for n in consumed.values())  # each prompt trained at most once
     assert ledger.balanced()
-    # Every prompt ever admitted is either consumed (once) or still waiting: running, buffered,
-    # or returned to the queue for a retry. Never both, never neither.
+    # Every prompt ever admitted is either consumed (once), filtered (dynamic sampling), or still
+    # waiting: running, buffered, or returned to the queue for a retry. Exactly one of them.
     waiting = [t.prompt.uid for t in ledger.running.values()]
     waiting += [g.ticket.prompt.uid for g in ledger.buffer]
     waiting += [p.uid for p in ledger.retry_queue]
     assert len(waiting) == len(set(waiting))
-    assert not set(waiting) & set(consumed)
-    assert set(ledger.attempts) == set(waiting) | set(consumed)
+    assert not set(waiting) & set(consumed) and not filtered & (set(waiting) | set(consumed))
+    assert set(ledger.attempts) == set(waiting) | set(consumed) | filtered
+    assert ledger.counts["filtered"] == len(filtered)
 
 
 def test_eta_zero_generates_one_batch_per_version():

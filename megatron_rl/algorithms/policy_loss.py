@@ -9,17 +9,22 @@ import torch
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                  mask: torch.Tensor, clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float = 0.0,
                   ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with separate low/high clip (DAPO's clip-higher).
 
     r = exp(logp - logp_old); loss_t = -min(r·A, clip(r, 1-clip_low, 1+clip_high)·A).
+    ``dual_clip`` = c > 1 also bounds the loss of negative advantages (Ye et al. 2020):
+    for A < 0, loss_t = -max(min(r·A, clip(r)·A), c·A), so a huge ratio cannot blow the step up.
     Statistics are sums over masked tokens: ``clipped`` counts tokens where the clipped term won.
     """
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = -torch.minimum(unclipped, clipped)
+    surrogate = torch.minimum(unclipped, clipped)
+    if dual_clip:
+        surrogate = torch.where(advantages < 0, torch.maximum(surrogate, dual_clip * advantages), surrogate)
+    loss = -surrogate
     with torch.no_grad():
         stats = {
             "clipped_tokens": ((clipped < unclipped).float() * mask).sum(),
@@ -33,7 +38,8 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
 def decoupled_ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
                        behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                        clip_low: float = 0.2, clip_high: float = 0.2,
-                       behaviour_weight_cap: float = 0.0) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                       behaviour_weight_cap: float = 0.0, dual_clip: float = 0.0,
+                       ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Decoupled PPO for off-policy (stale) samples (Fu et al. 2025, AReaL; Hilton et al. 2022).
 
     The trust region is centred on the proximal policy π_prox (the learner's weights before this
@@ -48,11 +54,39 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     keep = mask
     if behaviour_weight_cap > 0:
         keep = mask * (weight <= behaviour_weight_cap).to(mask.dtype)
-    loss, stats = ppo_clip_loss(logprobs, proximal_logprobs, advantages, keep, clip_low, clip_high)
+    loss, stats = ppo_clip_loss(logprobs, proximal_logprobs, advantages, keep, clip_low, clip_high, dual_clip)
     with torch.no_grad():
         stats["capped_tokens"] = (mask - keep).sum()
         stats["behav_weight_sum"] = (weight * mask).sum()
     return loss * weight, stats
+
+
+def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+              mask: torch.Tensor, clip_low: float = 3e-4, clip_high: float = 4e-4,
+              ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025): the importance ratio and its clip are per sequence.
+
+    Rows are sequences. s_i = exp(mean_t (logp_it - logp_old_it)) over the row's masked tokens and
+    J_i = min(s_i·A_i, clip(s_i, 1-clip_low, 1+clip_high)·A_i). Written per token in the GSPO-token
+    form, s_it = sg(s_i) · exp(logp_it - sg(logp_it)): every token of a row carries the value -J_i,
+    and the row's token mean has the gradient of -J_i. Use it with
+    ``algo.loss_agg_mode=seq-mean-token-mean`` (each sequence weighs the same, as in the paper).
+    """
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1)
+    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(dim=1, keepdim=True) / lengths
+    seq_ratio = torch.exp(seq_log_ratio.detach())
+    token_ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
+    unclipped = token_ratio * advantages
+    clipped = torch.clamp(token_ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = -torch.minimum(unclipped, clipped)
+    with torch.no_grad():
+        ratio = seq_ratio.expand_as(logprobs)
+        stats = {
+            "clipped_tokens": ((clipped < unclipped).float() * mask).sum(),
+            "ratio_sum": (ratio * mask).sum(),
+            "approx_kl_sum": (((ratio - 1) - seq_log_ratio) * mask).sum(),
+        }
+    return loss * mask, stats
 
 
 # algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).

@@ -107,8 +107,16 @@ class AlgoConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     # decoupled: trust region around the learner's proximal policy, importance-weighted against
-    # the behaviour policy that sampled (right for stale samples); ppo: plain clipped surrogate.
+    # the behaviour policy that sampled (right for stale samples); ppo: plain clipped surrogate;
+    # gspo: sequence-level ratio and clip (set clip_low/high ~3e-4/4e-4, loss_agg_mode=seq-mean-token-mean).
     policy_loss: str = "decoupled"
+    # > 1: dual clip of negative-advantage tokens (ppo and decoupled); 0 disables.
+    dual_clip: float = 0.0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal and admit more prompts until
+    # the batch is full (counted in queue/filtered_total); the run stops after
+    # filter_max_batches batches' worth of groups in a row are filtered.
+    filter_groups: bool = False
+    filter_max_batches: int = 20
     # Tokens with π_prox/π_behav above this are left out of the loss (0 disables the cap).
     behav_imp_weight_cap: float = 5.0
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO:
@@ -155,6 +163,10 @@ class RewardConfig:
     name: str = "reverse_digits"
     timeout_s: float = 10.0
     workers: int = 1
+    # DAPO's soft overlong penalty: the last overlong_buffer tokens before rollout.max_new_tokens
+    # cost up to overlong_penalty (linearly); 0 disables.
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
 
 @dataclass

@@ -18,7 +18,7 @@ ALLOWED = {
     "rollout.placement": ("colocated",),
     "algo.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.policy_loss": ("decoupled", "ppo"),
+    "algo.policy_loss": ("decoupled", "ppo", "gspo"),
     "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "scheduler.mode": ("async", "sync"),
@@ -85,7 +85,7 @@ def validate(cfg: RootConfig) -> RootConfig:
         ["rollout.top_k", "learner.clip_grad", "algo.kl_coef", "algo.entropy_coef",
          "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
          "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps", "learner.min_lr",
-         "scheduler.max_ahead_batches"],
+         "scheduler.max_ahead_batches", "reward.overlong_buffer"],
         strict=False,
     )
     m = cfg.model
@@ -111,6 +111,11 @@ def validate(cfg: RootConfig) -> RootConfig:
             f"learner.mini_batches={cfg.learner.mini_batches} must divide "
             f"algo.groups_per_batch={cfg.algo.groups_per_batch}"
         )
+    if cfg.reward.overlong_buffer > cfg.rollout.max_new_tokens:
+        raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} exceeds "
+                          f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
+        raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (e.g. 3), or 0 to disable")
     if cfg.learner.min_lr > cfg.learner.lr:
         raise ConfigError(f"learner.min_lr={cfg.learner.min_lr} must be <= learner.lr={cfg.learner.lr}")
     d = cfg.data
@@ -118,6 +123,9 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError(f"data.max_digits={d.max_digits} must be >= data.min_digits={d.min_digits}")
     if d.length_tail < 0:
         raise ConfigError(f"data.length_tail={d.length_tail} must be >= 0 (0 = uniform lengths)")
+    if cfg.algo.filter_groups and cfg.scheduler.mode == "sync":
+        raise ConfigError("algo.filter_groups=true needs scheduler.mode=async (the sync loop is the plain "
+                          "reference loop); use scheduler.mode=async scheduler.max_staleness=0 for on-policy")
     if cfg.scheduler.mode == "sync" and cfg.scheduler.max_staleness > 0:
         raise ConfigError(
             f"scheduler.max_staleness={cfg.scheduler.max_staleness} needs scheduler.mode=async "

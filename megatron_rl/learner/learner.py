@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from ..algorithms import kl_penalty, ppo_clip_loss
-from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss
+from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss, gspo_loss
 from ..config.schema import RootConfig
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
@@ -193,10 +193,13 @@ class Learner:
         logprobs = token_logprobs(logits, mb.labels, temperature)
         old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
         if algo.policy_loss == "decoupled":
-            loss, stats = decoupled_ppo_loss(logprobs, old, mb.behav_logprobs, mb.advantages,
-                                             mask, algo.clip_low, algo.clip_high, algo.behav_imp_weight_cap)
+            loss, stats = decoupled_ppo_loss(logprobs, old, mb.behav_logprobs, mb.advantages, mask, algo.clip_low,
+                                             algo.clip_high, algo.behav_imp_weight_cap, algo.dual_clip)
+        elif algo.policy_loss == "gspo":
+            loss, stats = gspo_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high)
         else:
-            loss, stats = ppo_clip_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high)
+            loss, stats = ppo_clip_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high,
+                                        algo.dual_clip)
         entropy = token_entropy(logits, temperature)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy * mask

@@ -36,7 +36,7 @@ class RolloutsStopped(RuntimeError):
 
 class AsyncController:
     def __init__(self, ledger: PromptLedger, rollout: RolloutFn, train: TrainFn, publish: PublishFn,
-                 timeline=None, train_executor: Optional[Executor] = None):
+                 timeline=None, train_executor: Optional[Executor] = None, max_filtered_batches: int = 20):
         self.ledger = ledger
         self.rollout = rollout
         self.train = train
@@ -44,6 +44,8 @@ class AsyncController:
         self.timeline = timeline
         # Where the blocking train step runs (None: asyncio's default thread pool).
         self.train_executor = train_executor
+        # Stop when this many batches' worth of groups in a row were filtered (DAPO's cap).
+        self.max_filtered_batches = max_filtered_batches
         self.version = 0
         self._changed: Optional[asyncio.Condition] = None
         self._tasks: set = set()
@@ -121,4 +123,10 @@ class AsyncController:
             self.ledger.fail(ticket, "error")
         else:
             self.ledger.finish(ticket, trajectories)
+            limit = self.max_filtered_batches * self.ledger.staleness.groups_per_batch
+            if self.ledger.filtered_streak > limit and self._stopped is None:
+                self._stopped = RolloutsStopped(
+                    f"{self.ledger.filtered_streak} groups in a row had all-equal rewards and were filtered "
+                    f"(algo.filter_groups): the task looks solved or hopeless for this policy; disable the "
+                    f"filter or change the data")
         await self._notify()

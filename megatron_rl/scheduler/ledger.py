@@ -54,6 +54,12 @@ class PromptLedger:
     # rule limits). Work generated further ahead of the learner cannot speed it up, it only ages:
     # with a learner slower than generation the buffer would otherwise fill to the full η.
     max_ahead_groups: int = 0
+    # DAPO dynamic sampling: a finished group whose rewards are all equal carries no gradient
+    # under group-relative advantages; it is dropped (counted as "filtered", not retried) and its
+    # capacity goes to a new prompt, so batches stay full of informative groups.
+    filter_equal_rewards: bool = False
+    # Groups filtered since the last batch was taken (a run where every group is filtered is stuck).
+    filtered_streak: int = 0
 
     # -------------------------------------------------------------- admission
     def can_admit(self, version: int) -> bool:
@@ -84,6 +90,11 @@ class PromptLedger:
     # -------------------------------------------------------------- outcomes
     def finish(self, ticket: Ticket, trajectories: Sequence[Trajectory]) -> None:
         self._release(ticket)
+        if self.filter_equal_rewards and len({t.reward for t in trajectories}) <= 1:
+            self.staleness.on_reject()
+            self.counts["filtered"] += 1
+            self.filtered_streak += 1
+            return
         self.staleness.on_accept()
         self.buffer.append(FinishedGroup(ticket, list(trajectories)))
         self.counts["finished"] += 1
@@ -118,6 +129,7 @@ class PromptLedger:
         self.buffer.sort(key=lambda g: g.ticket.index)
         batch, self.buffer = self.buffer[:size], self.buffer[size:]
         self.counts["consumed"] += size
+        self.filtered_streak = 0
         return batch
 
     def _release(self, ticket: Ticket) -> None:
@@ -130,6 +142,6 @@ class PromptLedger:
         return len(self.running)
 
     def balanced(self) -> bool:
-        """Each admission is running, buffered, consumed or returned: exactly one of them."""
+        """Each admission is running, buffered, consumed, filtered or returned: exactly one."""
         c = self.counts
-        return c["admitted"] == self.in_flight + len(self.buffer) + c["consumed"] + c["returned"]
+        return c["admitted"] == self.in_flight + len(self.buffer) + c["consumed"] + c["filtered"] + c["returned"]
