@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from .algorithms import compute_advantages
+from .algorithms.kl import kl_shaped_reward
 from .checkpoint import save_checkpoint
 from .config.schema import RootConfig
 from .data.build import build_data
@@ -176,13 +177,28 @@ class Trainer:
         """Advantages, one learner update of policy ``version`` (step ``version + 1``), metrics:
         the same for the synchronous loop and the asynchronous controller."""
         step = version + 1
+        flat = [t for grp in groups for t in grp]
+        metrics = self.batch_metrics(flat, version)  # the verifier's rewards, before any KL charge
+        if self.cfg.algo.kl_in_reward:
+            metrics["reward/kl_penalty_mean"] = self.charge_kl_to_rewards(flat)
         self.assign_advantages(groups)
         self.log_samples(step, prompts, groups)
-        flat = [t for grp in groups for t in grp]
-        metrics = self.batch_metrics(flat, version)
         with self.timeline.span("train", step=step):
             metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr_at(self.cfg, step)))
         return metrics
+
+    def charge_kl_to_rewards(self, flat: Sequence[Trajectory]) -> float:
+        """reward -= kl_coef · Σ_t KL(policy ‖ reference) per sequence; returns the mean charge."""
+        a, temperature = self.cfg.algo, self.cfg.rollout.temperature
+        self.learner.fill_logprobs(flat, temperature)
+        self.learner.fill_logprobs(flat, temperature, reference=True)
+        charges = []
+        for traj in flat:
+            shaped = kl_shaped_reward(traj.reward, torch.tensor(traj.proximal_logprobs),
+                                      torch.tensor(traj.ref_logprobs), a.kl_coef, a.kl_estimator)
+            charges.append(traj.reward - shaped)
+            traj.reward = shaped
+        return float(np.mean(charges)) if charges else 0.0
 
     def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
         """Reward, length and staleness statistics of one training batch."""

@@ -187,3 +187,14 @@ def test_gspo_value_and_gradient_match_the_sequence_level_objective(clip):
     (grad_ref,) = torch.autograd.grad(ref, lp_ref)
     assert ours.item() == pytest.approx(ref.item(), rel=1e-12, abs=1e-14)
     assert torch.allclose(grad_ours * mask, grad_ref * mask, atol=1e-12)
+
+
+def test_kl_shaped_reward_by_hand():
+    from megatron_rl.algorithms.kl import kl_shaped_reward
+
+    lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+    # k1 = logp - logp_ref per token: 0.5 and -1.0, summed -0.5; reward 1 - 0.1·(-0.5) = 1.05.
+    assert kl_shaped_reward(1.0, lp, ref, 0.1, "k1") == pytest.approx(1.05)
+    # k3 = e^(ref-lp) - 1 - (ref-lp): e^-0.5 - 0.5 and e^1 - 2.
+    k3 = (math.exp(-0.5) - 1 + 0.5) + (math.exp(1.0) - 1 - 1.0)
+    assert kl_shaped_reward(1.0, lp, ref, 0.1, "k3") == pytest.approx(1.0 - 0.1 * k3)

@@ -39,6 +39,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),
         ("data.length_tail=-1", "data.length_tail=-1.0 must be >= 0"),
         ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
+        ("algo.kl_in_reward=true", "algo.kl_in_reward=true needs algo.kl_coef > 0"),
         ("algo.filter_groups=true scheduler.mode=sync scheduler.max_staleness=0", "needs scheduler.mode=async"),
         ("reward.overlong_buffer=8", "reward.overlong_buffer=8 exceeds rollout.max_new_tokens=7"),
     ],

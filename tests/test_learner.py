@@ -3,6 +3,7 @@ restore model and optimizer exactly."""
 
 import copy
 
+import pytest
 import torch
 
 from megatron_rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -153,3 +154,38 @@ def test_loss_aggregation_modes_add_up_over_micro_batches(megatron_world):
             results.append([p.main_grad.detach().clone() for p in learner.model.parameters()])
         scale = max(g.abs().max().item() for g in results[1])
         assert max((a - b).abs().max().item() for a, b in zip(*results)) <= 1e-5 * scale, mode
+
+
+def test_kl_in_reward_charges_sequences_not_the_loss(megatron_world, tmp_path):
+    """algo.kl_in_reward through the trainer: the charge is 0 while the policy is the reference
+    and grows as it moves (the loss side is checked in the next test)."""
+    import json
+
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [
+        "trainer.total_steps=6", f"trainer.run_dir={tmp_path}", "trainer.progress=false",
+        "trainer.save_final_checkpoint=false", "algo.groups_per_batch=4", "algo.group_size=4",
+        "learner.mini_batches=2", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "scheduler.max_staleness=0"])
+    Trainer(cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    charges = [r["reward/kl_penalty_mean"] for r in rows]
+    assert charges[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
+    assert all(c >= 0 for c in charges) and charges[-1] > 0  # k3 is non-negative; it grew
+    assert all(r["train/kl"] >= 0 for r in rows)
+
+
+def test_kl_term_leaves_the_loss_when_it_is_in_the_reward(megatron_world):
+    results = {}
+    for in_reward in (False, True):
+        cfg = _cfg()
+        cfg.algo.kl_coef, cfg.algo.kl_in_reward = 0.1, in_reward
+        learner = Learner(cfg, VOCAB)
+        trajs = copy.deepcopy(_batch())
+        for t in trajs:  # a reference that disagrees with the policy, so the KL is not zero
+            t.ref_logprobs = [-0.5] * len(t.response_ids)
+        results[in_reward] = learner.train_step(trajs, 1.0, lr=1e-3)
+    with_kl, without = results[False], results[True]
+    assert with_kl["train/kl"] == pytest.approx(without["train/kl"]) and with_kl["train/kl"] > 0.1
+    assert with_kl["train/loss"] - without["train/loss"] == pytest.approx(0.1 * with_kl["train/kl"], rel=1e-5)

@@ -18,3 +18,11 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
         log_ratio = log_ratio.clamp(-20.0, 20.0)
         return torch.exp(log_ratio) - 1.0 - log_ratio
     raise ValueError(f"unknown KL estimator {estimator!r}; choose k1, k2 or k3")
+
+
+def kl_shaped_reward(reward: float, logprobs: torch.Tensor, ref_logprobs: torch.Tensor, coef: float,
+                     estimator: str = "k1") -> float:
+    """KL in the reward (instead of in the loss): the sequence's score minus coef times the summed
+    per-token KL estimate between the policy that is trained and the reference, as PPO-RLHF
+    (Ouyang et al. 2022) and REINFORCE++ put it; group-relative estimators then see the penalty."""
+    return reward - coef * float(kl_penalty(logprobs, ref_logprobs, estimator).sum())

@@ -128,6 +128,8 @@ class AlgoConfig:
     kl_coef: float = 0.0
     # k1 | k2 | k3
     kl_estimator: str = "k3"
+    # Charge the KL to each sequence's reward (before advantages) instead of adding it to the loss.
+    kl_in_reward: bool = False
     entropy_coef: float = 0.0
 
 

@@ -114,6 +114,8 @@ def validate(cfg: RootConfig) -> RootConfig:
     if cfg.reward.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    if cfg.algo.kl_in_reward and cfg.algo.kl_coef <= 0:
+        raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (e.g. 3), or 0 to disable")
     if cfg.learner.min_lr > cfg.learner.lr:

@@ -111,6 +111,15 @@ class Learner:
             result.update(response_values(mb, logprobs.cpu(), trajs))
         return [result[i] for i in range(len(trajs))]
 
+    def fill_logprobs(self, trajs: Sequence[Trajectory], temperature: float, reference: bool = False) -> None:
+        """Set each trajectory's proximal (or reference) logprobs unless a caller already did
+        (e.g. the trainer, to put the KL into the reward before advantages)."""
+        field = "ref_logprobs" if reference else "proximal_logprobs"
+        todo = [t for t in trajs if getattr(t, field) is None]
+        if todo:
+            for traj, lp in zip(todo, self.compute_logprobs(todo, temperature, reference=reference)):
+                setattr(traj, field, lp)
+
     def _micro_batches(self, trajs: Sequence[Trajectory]) -> List[MicroBatch]:
         # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
         return build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id,
@@ -136,11 +145,9 @@ class Learner:
         self._proximal_in_forward = (cfg.learner.mini_batches == 1 and cfg.learner.ppo_epochs == 1
                                      and not self.force_proximal_forward)
         if not self._proximal_in_forward:
-            for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature)):
-                traj.proximal_logprobs = lp
+            self.fill_logprobs(trajs, temperature)
         if self.ref_model is not None:
-            for traj, lp in zip(trajs, self.compute_logprobs(trajs, temperature, reference=True)):
-                traj.ref_logprobs = lp
+            self.fill_logprobs(trajs, temperature, reference=True)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         per_mini = math.ceil(len(trajs) / cfg.learner.mini_batches)
@@ -205,7 +212,8 @@ class Learner:
             loss = loss - algo.entropy_coef * entropy * mask
         if self.ref_model is not None:
             kl = kl_penalty(logprobs, mb.ref_logprobs, algo.kl_estimator) * mask
-            loss = loss + algo.kl_coef * kl
+            if not algo.kl_in_reward:  # otherwise the trainer already charged it to the reward
+                loss = loss + algo.kl_coef * kl
             stats["kl_sum"] = kl.detach().sum()
         num_tokens = mask.sum()
         total = loss.sum()
