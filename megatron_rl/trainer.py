@@ -18,7 +18,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -53,32 +53,33 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor):
+def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]:
+    """Intra-op threads for this process (None: torch's default) and for an engine process.
+
+    On a CPU, a learner and an engine that compute at once (rollouts overlapping training) each
+    get half of ``trainer.cpu_threads`` cores: two OpenMP teams of the full size spin against each
+    other and run ~2.5x slower (measured on 2 cores). In one process the half is shared (torch's
+    setting is process-wide); an engine in its own process leaves the learner the other half.
+    On GPU this process keeps torch's default unless ``trainer.cpu_threads`` is set."""
+    cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
+    engine = max(1, cores // 2) if overlap else cores
+    if torch.cuda.is_available():
+        return cfg.trainer.cpu_threads or None, engine
+    if not overlap:
+        return cores, engine
+    return (cores - cores // 2 if cfg.rollout.separate_process else engine), engine
+
+
+def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
+                 engine_threads: int):
     r = cfg.rollout
     if r.separate_process:
-        # Its own cores when it overlaps the learner (which then keeps the other half).
-        cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
-        if overlap and not torch.cuda.is_available():
-            torch.set_num_threads(max(1, cores - cores // 2))
-        return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
-                             cpu_threads=max(1, cores // 2) if overlap else cores,
+        return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
                              recompute_kv_on_update=r.recompute_kv_on_update)
     # Without overlap the engine computes on the learner's thread: one thread team for the cores.
     return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
                           executor=None if overlap else learner_executor,
                           recompute_kv_on_update=r.recompute_kv_on_update)
-
-
-def set_compute_threads(cpu_threads: int, overlap: bool) -> None:
-    """Intra-op threads for torch on CPU. Two threads that compute at once (learner and engine,
-    when rollouts overlap training) each get half the cores: two OpenMP teams of the full size
-    spin against each other and run ~2.5x slower (measured on 2 cores). On GPU nothing changes."""
-    if torch.cuda.is_available():
-        if cpu_threads:
-            torch.set_num_threads(cpu_threads)
-        return
-    cores = cpu_threads or os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // 2) if overlap else cores)
 
 
 def lr_at(cfg: RootConfig, step: int) -> float:
@@ -104,14 +105,16 @@ class Trainer:
         setup_logging(self.run_dir / "logs" / "train.log")
         self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
         overlap = cfg.scheduler.mode == "async" and cfg.scheduler.max_staleness > 0
-        set_compute_threads(cfg.trainer.cpu_threads, overlap and not cfg.rollout.separate_process)
+        learner_threads, engine_threads = compute_threads(cfg, overlap)
+        if learner_threads:
+            torch.set_num_threads(learner_threads)
         seed_everything(cfg.trainer.seed)
         self.tokenizer, prompts = build_data(cfg)
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.prompts = iter(prompts)
         vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
-        self.engine = build_engine(cfg, vocab, overlap, self.learner_executor)
+        self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
                                     name=f"reward {cfg.reward.name}")
         r = cfg.rollout

@@ -76,7 +76,7 @@ def test_logprobs_agree_across_continuous_batching_and_a_weight_swap(megatron_wo
     old, new = _learner(), _learner(perturb_seed=1)
 
     async def run():
-        engine = EmbeddedEngine(old.cfg.model, 48, max_batch_size=6, seed=5)
+        engine = EmbeddedEngine(old.cfg.model, 48, max_batch_size=6, seed=5, recompute_kv_on_update=True)
         await engine.pause()
         await engine.update_weights(old.export_hf_weights(), version=1)
         await engine.resume()

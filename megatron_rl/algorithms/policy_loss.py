@@ -90,7 +90,7 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
 
 
 # algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
+from ..algorithms.policy_loss import LOSS_AGG_MODES
 from .schema import RootConfig
 
 
@@ -16,10 +18,10 @@ ALLOWED = {
     "model.dtype": ("fp32", "bf16"),
     "rollout.engine": ("embedded",),
     "rollout.placement": ("colocated",),
-    "algo.name": ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"),
+    "algo.name": ADVANTAGE_ESTIMATORS,
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": ("decoupled", "ppo", "gspo"),
-    "algo.loss_agg_mode": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "scheduler.mode": ("async", "sync"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),

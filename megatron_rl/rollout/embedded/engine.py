@@ -75,7 +75,7 @@ class EngineStats:
 class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
-                 recompute_kv_on_update: bool = True):
+                 recompute_kv_on_update: bool = False):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own."""
         self.model_cfg = model_cfg

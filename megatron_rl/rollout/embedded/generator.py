@@ -70,6 +70,16 @@ class KVCachedGenerator:
         return (running + 1 <= self.max_batch_size and length <= self.offset
                 and self.offset + remaining <= self.cache_len)
 
+    def _left_pad(self, sequences: List[List[int]], width: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Tokens [m, width], each sequence right-aligned, and key padding [m, cache_len]: True at
+        the cache slots before each sequence when the rows end at slot ``end``."""
+        tokens = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        padding = torch.zeros(len(sequences), self.cache_len, dtype=torch.bool)
+        for row, seq in enumerate(sequences):
+            tokens[row, width - len(seq) :] = torch.tensor(seq)
+            padding[row, : end - len(seq)] = True
+        return tokens.to(self.device), padding.to(self.device)
+
     def _logits(self, tokens: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
         b, s = tokens.shape
         positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)
@@ -85,14 +95,11 @@ class KVCachedGenerator:
             raise ValueError(f"batch of {len(sequences)} exceeds rollout.max_batch_size={self.max_batch_size}")
         self.context.reset()
         self.rows = len(sequences)
-        tokens = torch.full((self.rows, width), self.pad_id, dtype=torch.long)
-        padding = torch.zeros(self.max_batch_size, self.cache_len, dtype=torch.bool)
-        for row, seq in enumerate(sequences):
-            tokens[row, width - len(seq) :] = torch.tensor(seq)
-            padding[row, : width - len(seq)] = True
-        self._key_padding = padding.to(self.device)
+        tokens, padding = self._left_pad(sequences, width, end=width)
+        self._key_padding = torch.zeros(self.max_batch_size, self.cache_len, dtype=torch.bool, device=self.device)
+        self._key_padding[: self.rows] = padding
         mask = causal_mask(width, self.device) | self._key_padding[: self.rows, None, None, :width]
-        logits = self._logits(tokens.to(self.device), 0, mask)
+        logits = self._logits(tokens, 0, mask)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
         return self._sample(logits, params)
@@ -119,13 +126,8 @@ class KVCachedGenerator:
         if width > offset:
             raise ValueError(f"a sequence of {width} tokens cannot join at offset {offset}")
         start = offset - width
-        tokens = torch.full((m, width), self.pad_id, dtype=torch.long)
-        padding = torch.ones(m, self.cache_len, dtype=torch.bool)
-        padding[:, offset:] = False
-        for row, seq in enumerate(sequences):
-            tokens[row, width - len(seq) :] = torch.tensor(seq)
-            padding[row, offset - len(seq) : offset] = False
-        self._key_padding[n : n + m] = padding.to(self.device)
+        tokens, padding = self._left_pad(sequences, width, end=offset)
+        self._key_padding[n : n + m] = padding
         for key, value in self.context.key_value_memory_dict.values():
             # Slots before the newcomers hold earlier rows' entries (or uninitialised memory):
             # masked, but zeroed so that 0 * garbage cannot be NaN.
@@ -135,7 +137,7 @@ class KVCachedGenerator:
         mask = causal[None, None] | self._key_padding[n : n + m, None, None, :offset]
         self.context.sequence_len_offset, self.context.batch_size_offset = start, n
         try:
-            logits = self._logits(tokens.to(self.device), start, mask)
+            logits = self._logits(tokens, start, mask)
         finally:
             self.context.sequence_len_offset, self.context.batch_size_offset = offset, 0
         new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
