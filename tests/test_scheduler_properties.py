@@ -145,3 +145,34 @@ def test_stale_group_is_evicted_and_retried():
     assert ledger.take_batch(2) is None  # 2 - 0 > η = 1
     assert ledger.counts["returned_stale"] == 1 and list(ledger.retry_queue)[0].uid == old.prompt.uid
     assert manager.accepted == 0 and ledger.balanced()
+
+
+def test_controller_stops_when_every_group_is_filtered():
+    """Dynamic sampling on a task every group ties on: the run stops with RolloutsStopped after
+    max_filtered_batches batches' worth of filtered groups instead of admitting forever."""
+    import asyncio
+
+    import pytest
+
+    from megatron_rl.scheduler.controller import AsyncController, RolloutsStopped
+
+    manager = StalenessManager(max_staleness=1, groups_per_batch=2, max_concurrent=4)
+    ledger = PromptLedger(_prompts(), manager, filter_equal_rewards=True)
+
+    async def rollout(ticket):
+        await asyncio.sleep(0)
+        return _group(ticket, 0, equal_rewards=True)
+
+    async def publish(version):
+        pass
+
+    controller = AsyncController(ledger, rollout, lambda batch, v: {}, publish, max_filtered_batches=3)
+
+    async def run():
+        with pytest.raises(RolloutsStopped, match="all-equal rewards"):
+            await asyncio.wait_for(controller.run(5, lambda *a: None), timeout=30)
+        await controller.drain()
+
+    asyncio.run(run())
+    assert ledger.counts["filtered"] > 3 * 2 and ledger.counts["consumed"] == 0
+    assert ledger.balanced()
