@@ -29,6 +29,7 @@ from .checkpoint import save_checkpoint
 from .config.schema import RootConfig
 from .data.build import build_data
 from .data.datasets import Prompt
+from .learner.critic import Critic, assign_gae_advantages
 from .learner.learner import Learner
 from .models.gpt import padded_vocab_size
 from .rewards import REWARDS, RewardRunner
@@ -114,6 +115,9 @@ class Trainer:
         self.prompts = iter(prompts)
         vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
+        # PPO with GAE: a value model with the policy's layout, starting from its weights.
+        self.critic = (Critic(cfg, vocab, self.tokenizer.pad_id, self.learner.module)
+                       if cfg.algo.name == "gae" else None)
         self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
                                     name=f"reward {cfg.reward.name}")
@@ -158,13 +162,18 @@ class Trainer:
                     len(traj.response_ids), self.cfg.rollout.max_new_tokens, rc.overlong_buffer, rc.overlong_penalty)
 
     def assign_advantages(self, groups: List[List[Trajectory]]) -> None:
+        a = self.cfg.algo
+        if self.critic is not None:
+            flat = [t for grp in groups for t in grp]
+            self.critic.fill_values(flat)
+            assign_gae_advantages(flat, a.gamma, a.lam, a.gae_whiten)
+            return
         rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
         lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
-        a = self.cfg.algo
         adv = compute_advantages(a.name, rewards, lengths, a.adv_eps, a.normalize_adv_by_std)
         for grp, row in zip(groups, adv.tolist()):
-            for traj, a in zip(grp, row):
-                traj.advantage = a
+            for traj, value in zip(grp, row):
+                traj.advantage = value
 
     def log_samples(self, step: int, prompts: Sequence[Prompt], groups: List[List[Trajectory]], n: int = 4) -> None:
         """A few decoded responses per logged step, for a person reading the run directory."""
@@ -187,7 +196,10 @@ class Trainer:
         self.assign_advantages(groups)
         self.log_samples(step, prompts, groups)
         with self.timeline.span("train", step=step):
-            metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr_at(self.cfg, step)))
+            lr = lr_at(self.cfg, step)
+            metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr))
+            if self.critic is not None:
+                metrics.update(self.critic.train_step(flat, lr / self.cfg.learner.lr))
         return metrics
 
     def charge_kl_to_rewards(self, flat: Sequence[Trajectory]) -> float:
@@ -383,7 +395,8 @@ class Trainer:
     def save(self, step: int) -> None:
         with self.timeline.span("checkpoint", step=step):
             save_checkpoint(self.learner, self.run_dir / "checkpoints", step,
-                            {"policy_version": self.version}, keep=self.cfg.trainer.checkpoint_keep)
+                            {"policy_version": self.version}, keep=self.cfg.trainer.checkpoint_keep,
+                            critic=self.critic)
 
     def run(self) -> Dict[str, float]:
         try:

@@ -50,6 +50,11 @@ class Trajectory:
     reward: float = 0.0
     reward_info: Dict[str, Any] = field(default_factory=dict)
     advantage: float = 0.0
+    # Per-token advantages (PPO with a critic: GAE); when set they replace ``advantage``.
+    token_advantages: Optional[List[float]] = None
+    # The critic's values before its update and the GAE returns it regresses on, per response token.
+    values: Optional[List[float]] = None
+    returns: Optional[List[float]] = None
     # Filled by the learner before the update: logprobs of the response under the weights about
     # to be updated (PPO's "old" policy) and under the frozen reference model (for KL).
     proximal_logprobs: Optional[List[float]] = None

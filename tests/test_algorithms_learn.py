@@ -20,6 +20,8 @@ import pytest
                    "algo.loss_agg_mode=seq-mean-token-mean"]),
     # DAPO: clip-higher and token-mean are tiny_cpu's defaults; add dynamic sampling and the soft
     # overlong penalty (free up to 7 tokens, then down to -1 at 10).
+    # PPO with a Megatron critic: per-token GAE advantages (γ = λ = 1, whitened).
+    ("gae", 100, ["algo.name=gae"]),
     ("dapo", 100, ["algo.filter_groups=true", "rollout.max_new_tokens=10", "reward.overlong_buffer=3"]),
 ])
 def test_tiny_cpu_learns_with(name, steps, overrides, tmp_path):
@@ -34,6 +36,8 @@ def test_tiny_cpu_learns_with(name, steps, overrides, tmp_path):
     rewards = [r["reward/mean"] for r in rows]
     if name == "dapo":
         assert rows[-1]["queue/filtered_total"] > 0  # all-equal groups were dropped and replaced
+    if name == "gae":  # the critic learned something about the returns
+        assert sum(r["critic/explained_variance"] for r in rows[-10:]) / 10 > 0.05
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"{name}, {steps} steps: reward {first:.3f} -> {last:.3f}")
     assert last >= first + 0.2, (name, first, last)

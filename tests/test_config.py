@@ -41,6 +41,9 @@ def test_tiny_cpu_loads_and_overrides():
         ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
         ("algo.kl_in_reward=true", "algo.kl_in_reward=true needs algo.kl_coef > 0"),
         ("algo.filter_groups=true scheduler.mode=sync scheduler.max_staleness=0", "needs scheduler.mode=async"),
+        ("algo.lam=1.5", "algo.lam=1.5 must be in [0, 1]"),
+        ("critic.lr=0", "critic.lr=0.0 must be > 0 (or null to use learner.lr)"),
+        ("critic.value_clip=-1", "critic.value_clip=-1.0 must be >= 0"),
         ("reward.overlong_buffer=8", "reward.overlong_buffer=8 exceeds rollout.max_new_tokens=7"),
     ],
 )
@@ -67,7 +70,7 @@ def test_cli_bad_value_prints_one_error_line():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == ["megatron_rl: error: algo.name='nope' is not allowed; choose one of grpo, dr_grpo, "
-                     "rloo, reinforce_pp, reinforce_pp_baseline"]
+                     "rloo, reinforce_pp, reinforce_pp_baseline, gae"]
 
 
 def test_cli_missing_dataset_prints_one_error_line(tmp_path):

@@ -2,8 +2,11 @@
 
 from .advantages import (ADVANTAGE_ESTIMATORS, batch_whitened_advantages, compute_advantages,
                          group_relative_advantages, leave_one_out_advantages)
+from .gae import clipped_value_loss, explained_variance, gae_advantages, masked_whiten
 from .kl import kl_penalty
 from .policy_loss import ppo_clip_loss
 
-__all__ = ["ADVANTAGE_ESTIMATORS", "batch_whitened_advantages", "compute_advantages",
-           "group_relative_advantages", "kl_penalty", "leave_one_out_advantages", "ppo_clip_loss"]
+__all__ = ["ADVANTAGE_ESTIMATORS", "batch_whitened_advantages", "clipped_value_loss", "compute_advantages",
+           "explained_variance", "gae_advantages",
+           "group_relative_advantages", "kl_penalty", "leave_one_out_advantages", "masked_whiten",
+           "ppo_clip_loss"]

@@ -18,15 +18,27 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 
 
-def _sharded_state(learner, is_loading: bool = False) -> Dict[str, Any]:
-    model_state = learner.module.sharded_state_dict()
+# The critic's tensors are stored under this prefix, beside the policy's.
+CRITIC_PREFIX = "critic."
+
+
+def _model_and_optimizer(owner, is_loading: bool, prefix: str = "") -> Dict[str, Any]:
+    model_state = owner.module.sharded_state_dict(prefix=prefix)
     # is_loading makes Megatron allocate optimizer state (Adam moments) for a fresh optimizer to
     # load into; without it a not-yet-stepped optimizer would silently keep zero moments.
-    optimizer_state = learner.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+    optimizer_state = owner.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
-def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any], keep: int = 2) -> Path:
+def _sharded_state(learner, critic=None, is_loading: bool = False) -> Dict[str, Any]:
+    state = _model_and_optimizer(learner, is_loading)
+    if critic is not None:
+        state["critic"] = _model_and_optimizer(critic, is_loading, CRITIC_PREFIX)
+    return state
+
+
+def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any], keep: int = 2,
+                    critic=None) -> Path:
     from megatron.core import dist_checkpointing
 
     root.mkdir(parents=True, exist_ok=True)
@@ -38,7 +50,7 @@ def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any
         tmp.mkdir()
     if dist.is_initialized():
         dist.barrier()
-    dist_checkpointing.save(_sharded_state(learner), str(tmp))
+    dist_checkpointing.save(_sharded_state(learner, critic), str(tmp))
     if rank0:
         (tmp / STATE_FILE).write_text(json.dumps({"step": step, **trainer_state}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
@@ -67,11 +79,14 @@ def latest_checkpoint(root: Path) -> Optional[Path]:
     return path if path.is_dir() else None
 
 
-def load_checkpoint(learner, path: Path) -> Dict[str, Any]:
-    """Load model and optimizer state into a built learner; return the saved trainer state."""
+def load_checkpoint(learner, path: Path, critic=None) -> Dict[str, Any]:
+    """Load model and optimizer state into a built learner (and critic); return the saved trainer state."""
     from megatron.core import dist_checkpointing
 
-    state = dist_checkpointing.load(_sharded_state(learner, is_loading=True), str(path))
+    state = dist_checkpointing.load(_sharded_state(learner, critic, is_loading=True), str(path))
     learner.module.load_state_dict(state["model"])
     learner.optimizer.load_state_dict(state["optimizer"])
+    if critic is not None:
+        critic.module.load_state_dict({k.removeprefix(CRITIC_PREFIX): v for k, v in state["critic"]["model"].items()})
+        critic.optimizer.load_state_dict(state["critic"]["optimizer"])
     return json.loads((path / STATE_FILE).read_text())

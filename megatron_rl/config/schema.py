@@ -99,7 +99,8 @@ class SchedulerConfig:
 class AlgoConfig:
     # The advantage estimator: grpo (group mean/std) | dr_grpo (group mean only) | rloo
     # (leave-one-out mean) | reinforce_pp (returns whitened over the batch's tokens) |
-    # reinforce_pp_baseline (group mean subtracted first).
+    # reinforce_pp_baseline (group mean subtracted first) | gae (PPO with a critic: per-token
+    # GAE advantages from a Megatron value model trained alongside, see `critic`).
     name: str = "grpo"
     group_size: int = 8
     # Groups (prompts) per training batch; each contributes group_size samples.
@@ -131,6 +132,23 @@ class AlgoConfig:
     # Charge the KL to each sequence's reward (before advantages) instead of adding it to the loss.
     kl_in_reward: bool = False
     entropy_coef: float = 0.0
+    # GAE (algo.name=gae): discount and λ; the outcome reward arrives at the last response token.
+    gamma: float = 1.0
+    lam: float = 1.0
+    # Whiten GAE advantages over the batch's trained tokens.
+    gae_whiten: bool = True
+
+
+@dataclass
+class CriticConfig:
+    """The value model of algo.name=gae: the policy's architecture and parallel layout with a
+    scalar head, trained with the learner's epochs, mini-batches and lr schedule shape."""
+    # Peak learning rate (None: learner.lr); follows learner.lr_warmup_steps / lr_decay_style.
+    lr: Optional[float] = None
+    # Clip of the value update around the old values (PPO's clipped value loss); 0 disables.
+    value_clip: float = 0.5
+    # Start from the policy's weights (the trunk; the head starts at zero) instead of a fresh init.
+    init_from_policy: bool = True
 
 
 @dataclass
@@ -195,6 +213,7 @@ class RootConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -18,7 +18,7 @@ ALLOWED = {
     "model.dtype": ("fp32", "bf16"),
     "rollout.engine": ("embedded",),
     "rollout.placement": ("colocated",),
-    "algo.name": ADVANTAGE_ESTIMATORS,
+    "algo.name": ADVANTAGE_ESTIMATORS + ("gae",),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": ("decoupled", "ppo", "gspo"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
@@ -87,7 +87,7 @@ def validate(cfg: RootConfig) -> RootConfig:
         ["rollout.top_k", "learner.clip_grad", "algo.kl_coef", "algo.entropy_coef",
          "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
          "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps", "learner.min_lr",
-         "scheduler.max_ahead_batches", "reward.overlong_buffer"],
+         "scheduler.max_ahead_batches", "reward.overlong_buffer", "critic.value_clip"],
         strict=False,
     )
     m = cfg.model
@@ -120,6 +120,11 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (e.g. 3), or 0 to disable")
+    for key in ("algo.gamma", "algo.lam"):
+        if not 0.0 <= _get(cfg, key) <= 1.0:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} must be in [0, 1]")
+    if cfg.critic.lr is not None and cfg.critic.lr <= 0:
+        raise ConfigError(f"critic.lr={cfg.critic.lr!r} must be > 0 (or null to use learner.lr)")
     if cfg.learner.min_lr > cfg.learner.lr:
         raise ConfigError(f"learner.min_lr={cfg.learner.min_lr} must be <= learner.lr={cfg.learner.lr}")
     d = cfg.data

@@ -20,7 +20,8 @@ import torch
 from ..types import Trajectory
 
 # Per-response-token fields copied from each trajectory, aligned with the label positions.
-_TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs")
+_TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs", "old_values",
+                 "returns")
 
 
 @dataclass
@@ -32,6 +33,8 @@ class MicroBatch:
     behav_logprobs: torch.Tensor  # [b, s] logprobs from the rollout engine that sampled the token
     old_logprobs: torch.Tensor    # [b, s] proximal logprobs (learner, before the update)
     ref_logprobs: torch.Tensor    # [b, s] reference-model logprobs (zeros when no reference)
+    old_values: torch.Tensor      # [b, s] critic values before its update (zeros without a critic)
+    returns: torch.Tensor         # [b, s] the critic's regression targets (zeros without a critic)
     rows: List[int]               # index of each row in the trajectory list (-1 for filler)
 
     def to(self, device: torch.device) -> "MicroBatch":
@@ -74,12 +77,15 @@ def _pack_by_length(trajs: Sequence[Trajectory], lengths: List[int], token_budge
 
 def _token_values(traj: Trajectory) -> Dict[str, List[float]]:
     n = len(traj.response_ids)
+    zeros = [0.0] * n
     return {
         "loss_mask": [float(m) for m in traj.loss_mask],
-        "advantages": [traj.advantage] * n,
+        "advantages": traj.token_advantages if traj.token_advantages is not None else [traj.advantage] * n,
         "behav_logprobs": traj.logprobs,
         "old_logprobs": traj.proximal_logprobs if traj.proximal_logprobs is not None else traj.logprobs,
-        "ref_logprobs": traj.ref_logprobs if traj.ref_logprobs is not None else [0.0] * n,
+        "ref_logprobs": traj.ref_logprobs if traj.ref_logprobs is not None else zeros,
+        "old_values": traj.values if traj.values is not None else zeros,
+        "returns": traj.returns if traj.returns is not None else zeros,
     }
 
 

@@ -8,8 +8,6 @@ whole batch across micro-batches and data-parallel ranks.
 
 from __future__ import annotations
 
-import logging
-import math
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -21,12 +19,10 @@ from ..config.schema import RootConfig
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
 from ..types import Trajectory
-from .batch import MicroBatch, build_micro_batches, response_values
+from .batch import MicroBatch, response_values
 from .logprobs import token_entropy, token_logprobs
+from .megatron_step import forward_only, micro_batches, minibatch_steps, optimizer_step, set_lr, wrap_for_training
 from .parallel import init_model_parallel
-
-logger = logging.getLogger(__name__)
-
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
     """Boolean [1, 1, s, s] mask, True where attention is not allowed (Megatron's convention)."""
@@ -44,10 +40,6 @@ class Learner:
     """Policy model, optional frozen reference, Megatron optimizer."""
 
     def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int = 0):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.cfg = cfg
         self.pad_id = pad_id
         self.vocab_size = vocab_size
@@ -55,25 +47,7 @@ class Learner:
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
         model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=lc.use_distributed_optimizer,
-        )
-        self.model = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        bf16 = cfg.model.dtype == "bf16"
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam", lr=lc.lr, weight_decay=lc.weight_decay,
-                adam_beta1=lc.adam_beta1, adam_beta2=lc.adam_beta2, adam_eps=lc.adam_eps,
-                clip_grad=lc.clip_grad, bf16=bf16,
-                params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                use_distributed_optimizer=lc.use_distributed_optimizer,
-            ),
-            [self.model],
-        )
-        model.config.finalize_model_grads_func = finalize_model_grads
-        model.config.grad_scale_func = self.optimizer.scale_loss
+        self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", lc.lr)
         self.ref_model: Optional[torch.nn.Module] = None
         if cfg.algo.kl_coef > 0:
             self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
@@ -94,18 +68,11 @@ class Learner:
     def compute_logprobs(self, trajs: Sequence[Trajectory], temperature: float,
                          reference: bool = False) -> List[List[float]]:
         """Per-response-token logprobs of each trajectory under the current (or reference) weights."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
         mbs = self._micro_batches(trajs)
-        outputs = get_forward_backward_func()(
-            forward_step_func=partial(self._forward_step, temperature=temperature),
-            data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
-            seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0],
-            forward_only=True, collect_non_loss_data=True,
-        )
+        outputs = forward_only(model, mbs, partial(self._forward_step, temperature=temperature))
         result: Dict[int, List[float]] = {}
         for mb, logprobs in zip(mbs, outputs):
             result.update(response_values(mb, logprobs.cpu(), trajs))
@@ -121,9 +88,7 @@ class Learner:
                 setattr(traj, field, lp)
 
     def _micro_batches(self, trajs: Sequence[Trajectory]) -> List[MicroBatch]:
-        # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
-        return build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id,
-                                   equal_shape=self.cfg.learner.pp > 1)
+        return micro_batches(trajs, self.cfg.learner, self.pad_id)
 
     def _forward_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
@@ -148,17 +113,8 @@ class Learner:
             self.fill_logprobs(trajs, temperature)
         if self.ref_model is not None:
             self.fill_logprobs(trajs, temperature, reference=True)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        per_mini = math.ceil(len(trajs) / cfg.learner.mini_batches)
-        totals: Dict[str, float] = {}
-        grad_norms = []
-        for _ in range(cfg.learner.ppo_epochs):
-            for start in range(0, len(trajs), per_mini):
-                stats, grad_norm = self._optimizer_step(trajs[start : start + per_mini], temperature)
-                grad_norms.append(grad_norm)
-                for k, v in stats.items():
-                    totals[k] = totals.get(k, 0.0) + v
+        set_lr(self.optimizer, lr)
+        totals, grad_norms = minibatch_steps(trajs, cfg.learner, partial(self._optimizer_step, temperature=temperature))
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         metrics = {f"train/{k.removesuffix('_sum')}": v / tokens for k, v in totals.items()}
         metrics["train/clip_fraction"] = metrics.pop("train/clipped_tokens")
@@ -169,25 +125,10 @@ class Learner:
         return metrics
 
     def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        mbs = self._micro_batches(trajs)
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        outputs = get_forward_backward_func()(
-            forward_step_func=partial(self._loss_step, temperature=temperature),
-            data_iterator=iter(mbs), model=[self.model], num_microbatches=len(mbs),
-            seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0], forward_only=False,
-        )
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            logger.warning("optimizer step skipped (non-finite gradients)")
+        stats, grad_norm = optimizer_step(self.model, self.optimizer, self._micro_batches(trajs),
+                                          partial(self._loss_step, temperature=temperature))
         self.optimizer_steps += 1
-        stats: Dict[str, float] = {}
-        for out in outputs:
-            for k, v in out.items():
-                stats[k] = stats.get(k, 0.0) + float(v)
-        return stats, float(grad_norm) if grad_norm is not None else float("nan")
+        return stats, grad_norm
 
     def _loss_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)

@@ -1,0 +1,130 @@
+"""PPO's critic: a Megatron value model trained next to the policy, with the policy's parallel
+layout, micro-batching and pipeline schedules, and its own optimizer.
+
+Values are per response token, at the same positions as the policy's logprobs: the value at
+position p-1+t is V(prompt + response[:t]), the state in which response token t is chosen."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..algorithms.gae import clipped_value_loss, explained_variance, gae_advantages, masked_whiten
+from ..config.schema import RootConfig
+from ..models.gpt import model_device
+from ..models.value_model import build_value_model
+from ..types import Trajectory
+from .batch import MicroBatch, response_values
+from .learner import forward_logits
+from .megatron_step import forward_only, micro_batches, minibatch_steps, optimizer_step, set_lr, wrap_for_training
+
+
+class Critic:
+    def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int = 0,
+                 policy: Optional[torch.nn.Module] = None):
+        self.cfg = cfg
+        self.pad_id = pad_id
+        lc = cfg.learner
+        self.device = model_device()
+        init = policy if cfg.critic.init_from_policy else None
+        model = build_value_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, policy=init)
+        self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", self.peak_lr)
+        self.optimizer_steps = 0
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.model.module
+
+    @property
+    def peak_lr(self) -> float:
+        return self.cfg.critic.lr if self.cfg.critic.lr is not None else self.cfg.learner.lr
+
+    # ---------------------------------------------------------------- values
+    @torch.no_grad()
+    def compute_values(self, trajs: Sequence[Trajectory]) -> List[List[float]]:
+        mbs = micro_batches(trajs, self.cfg.learner, self.pad_id)
+        outputs = forward_only(self.model, mbs, self._forward_step)
+        result: Dict[int, List[float]] = {}
+        for mb, values in zip(mbs, outputs):
+            result.update(response_values(mb, values.cpu(), trajs))
+        return [result[i] for i in range(len(trajs))]
+
+    def fill_values(self, trajs: Sequence[Trajectory]) -> None:
+        for traj, values in zip(trajs, self.compute_values(trajs)):
+            traj.values = values
+
+    def _forward_step(self, data_iterator, model):
+        mb: MicroBatch = next(data_iterator).to(self.device)
+        out = forward_logits(model, mb.tokens)
+        return out, lambda output, non_loss_data=True: output[..., 0].float() * mb.loss_mask
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, trajs: Sequence[Trajectory], lr_scale: float = 1.0) -> Dict[str, float]:
+        """Regress the values on the trajectories' GAE returns (PPO epochs × mini-batches, like
+        the policy); ``lr_scale`` is the learner's schedule factor at this step."""
+        set_lr(self.optimizer, self.peak_lr * lr_scale)
+        totals, grad_norms = minibatch_steps(trajs, self.cfg.learner, self._optimizer_step)
+        tokens = max(totals.pop("tokens", 0.0), 1.0)
+        values, returns, mask = _padded(trajs, "values"), _padded(trajs, "returns"), _padded(trajs, "loss_mask")
+        return {
+            "critic/value_loss": totals["value_loss_sum"] / tokens,
+            "critic/value_clip_fraction": totals["value_clipped_tokens"] / tokens,
+            "critic/value_mse": totals["value_error_sq_sum"] / tokens,
+            "critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
+            "critic/returns_mean": float((returns * mask).sum() / mask.sum().clamp(min=1)),
+            # Of the critic before this update, on this batch: how much of the returns' variance it explains.
+            "critic/explained_variance": explained_variance(values, returns, mask),
+            "critic/grad_norm": float(sum(grad_norms) / len(grad_norms)),
+            "critic/lr": self.peak_lr * lr_scale,
+        }
+
+    def _optimizer_step(self, trajs: Sequence[Trajectory]) -> Tuple[Dict[str, float], float]:
+        stats, grad_norm = optimizer_step(self.model, self.optimizer, micro_batches(trajs, self.cfg.learner, self.pad_id),
+                                          self._loss_step, what="critic")
+        self.optimizer_steps += 1
+        return stats, grad_norm
+
+    def _loss_step(self, data_iterator, model):
+        mb: MicroBatch = next(data_iterator).to(self.device)
+        return forward_logits(model, mb.tokens), partial(self._value_loss, mb=mb)
+
+    def _value_loss(self, output: torch.Tensor, mb: MicroBatch):
+        values = output[..., 0].float()
+        loss, stats = clipped_value_loss(values, mb.old_values, mb.returns, mb.loss_mask, self.cfg.critic.value_clip)
+        tokens = mb.loss_mask.sum()
+        stats.update(value_loss_sum=loss.sum().detach(), tokens=tokens)
+        return loss.sum(), tokens.round().to(torch.int), stats
+
+
+def _padded(trajs: Sequence[Trajectory], field: str, last_only: bool = False) -> torch.Tensor:
+    """[len(trajs), longest response] float64 rows of a per-response-token field, right padded
+    with zeros; with ``last_only`` a field that is one number per trajectory sits at its last token."""
+    width = max((len(t.response_ids) for t in trajs), default=0)
+    out = torch.zeros(len(trajs), width, dtype=torch.float64)
+    for i, t in enumerate(trajs):
+        n = len(t.response_ids)
+        if last_only:
+            if n:
+                out[i, n - 1] = getattr(t, field)
+        else:
+            out[i, :n] = torch.tensor(getattr(t, field), dtype=torch.float64)
+    return out
+
+
+def assign_gae_advantages(trajs: Sequence[Trajectory], gamma: float, lam: float, whiten: bool = True) -> None:
+    """Per-token GAE advantages and critic returns from each trajectory's values (filled by the
+    critic) and its outcome reward, which arrives at the last response token. Advantages are
+    whitened over the batch's trained tokens (PPO's usual normalisation) when ``whiten``."""
+    valid = torch.zeros(len(trajs), max((len(t.response_ids) for t in trajs), default=0), dtype=torch.float64)
+    for i, t in enumerate(trajs):
+        valid[i, : len(t.response_ids)] = 1.0
+    advantages, returns = gae_advantages(_padded(trajs, "reward", last_only=True), _padded(trajs, "values"),
+                                         valid, gamma, lam)
+    if whiten:
+        advantages = masked_whiten(advantages, _padded(trajs, "loss_mask"))
+    for i, t in enumerate(trajs):
+        n = len(t.response_ids)
+        t.token_advantages = advantages[i, :n].tolist()
+        t.returns = returns[i, :n].tolist()

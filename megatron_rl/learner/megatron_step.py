@@ -1,0 +1,108 @@
+"""What the policy and the critic share: a Megatron model wrapped for training (DDP + Megatron
+optimizer) and one pass over micro-batches through Megatron's pipeline schedules, forward-only
+or forward-backward + optimizer step. The same code runs at PP = 1 and PP > 1."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+
+from ..config.schema import LearnerConfig
+from ..types import Trajectory
+from .batch import MicroBatch, build_micro_batches
+
+logger = logging.getLogger(__name__)
+
+# (data_iterator, model) -> (output tensor, function of the output): Megatron's forward_step_func.
+StepFn = Callable
+
+
+def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr: float):
+    """(DistributedDataParallel model, Megatron optimizer) for a bare GPTModel."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=lc.use_distributed_optimizer,
+    )
+    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=lc.weight_decay,
+            adam_beta1=lc.adam_beta1, adam_beta2=lc.adam_beta2, adam_eps=lc.adam_eps,
+            clip_grad=lc.clip_grad, bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=lc.use_distributed_optimizer,
+        ),
+        [wrapped],
+    )
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.grad_scale_func = optimizer.scale_loss
+    return wrapped, optimizer
+
+
+def forward_only(model: torch.nn.Module, mbs: Sequence[MicroBatch], step_fn: StepFn) -> List:
+    """Run ``step_fn`` over the micro-batches without gradients; the values its collect function
+    returns (one per micro-batch, on the last pipeline stage)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=step_fn, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+        seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0],
+        forward_only=True, collect_non_loss_data=True,
+    )
+
+
+def optimizer_step(model: torch.nn.Module, optimizer, mbs: Sequence[MicroBatch], step_fn: StepFn,
+                   what: str = "policy") -> Tuple[Dict[str, float], float]:
+    """Forward-backward over the micro-batches and one optimizer step. ``step_fn``'s loss function
+    returns (loss sum, denominator, stats); stats are summed over micro-batches."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    outputs = get_forward_backward_func()(
+        forward_step_func=step_fn, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
+        seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0], forward_only=False,
+    )
+    ok, grad_norm, _ = optimizer.step()
+    if not ok:
+        logger.warning("%s optimizer step skipped (non-finite gradients)", what)
+    stats: Dict[str, float] = {}
+    for out in outputs:
+        for k, v in out.items():
+            stats[k] = stats.get(k, 0.0) + float(v)
+    return stats, float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int) -> List[MicroBatch]:
+    # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
+    return build_micro_batches(trajs, lc.micro_batch_tokens, pad_id, equal_shape=lc.pp > 1)
+
+
+def minibatch_steps(trajs: Sequence[Trajectory], lc: LearnerConfig,
+                    step: Callable[[Sequence[Trajectory]], Tuple[Dict[str, float], float]],
+                    ) -> Tuple[Dict[str, float], List[float]]:
+    """``learner.ppo_epochs`` passes over the batch, each split into ``learner.mini_batches``
+    optimizer steps; returns the summed statistics and each step's gradient norm."""
+    per_mini = math.ceil(len(trajs) / lc.mini_batches)
+    totals: Dict[str, float] = {}
+    grad_norms: List[float] = []
+    for _ in range(lc.ppo_epochs):
+        for start in range(0, len(trajs), per_mini):
+            stats, grad_norm = step(trajs[start : start + per_mini])
+            grad_norms.append(grad_norm)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+    return totals, grad_norms
