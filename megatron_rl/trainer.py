@@ -243,8 +243,12 @@ class Trainer:
         steps = st.decode_steps - prev.decode_steps
         out = {
             "engine/prefills": float(st.prefills - prev.prefills),
+            "engine/admissions": float(st.admissions - prev.admissions),
             "engine/decode_steps": float(steps),
             "engine/rows_per_decode": (st.decode_rows - prev.decode_rows) / steps if steps else 0.0,
+            # Where the engine's compute time went since the last step.
+            **{f"engine/{kind}_s": getattr(st, f"{kind}_s") - getattr(prev, f"{kind}_s")
+               for kind in ("prefill", "admit", "decode")},
         }
         self._engine_prev = copy.copy(st)
         return out

@@ -26,7 +26,8 @@ def test_tiny_cpu_recipe_learns_and_leaves_a_run_directory(tmp_path):
 
     for key in ("train/loss", "train/entropy", "train/clip_fraction", "response/length_mean",
                 "response/length_max", "perf/generate_tokens_per_s", "time/step_s", "engine/prefills",
-                "engine/decode_steps", "engine/rows_per_decode", "queue/filtered_total"):
+                "engine/decode_steps", "engine/rows_per_decode", "engine/decode_s", "engine/admit_s",
+                "engine/prefill_s", "queue/filtered_total"):
         assert key in rows[-1]
     # The recipe is asynchronous with η = 1: samples are at most one version old, and some are.
     assert max(r["staleness/max"] for r in rows) == 1

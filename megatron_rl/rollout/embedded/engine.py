@@ -70,6 +70,10 @@ class EngineStats:
     admissions: int = 0     # waiting requests prefilled into the running batch
     decode_steps: int = 0
     decode_rows: int = 0    # running rows summed over decode steps (occupancy = rows / steps)
+    # Compute seconds by kind of model call (compute_s is their sum).
+    prefill_s: float = 0.0
+    admit_s: float = 0.0
+    decode_s: float = 0.0
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -207,13 +211,17 @@ class EmbeddedEngine(RolloutEngine):
             self._task = asyncio.get_running_loop().create_task(self._serve(), name="embedded-engine")
 
     async def _compute(self, fn, *args):
-        """Run one model step on the compute thread; None if paused before it could start."""
+        """Run one model step (the generator's prefill, admit or decode) on the compute thread;
+        None if paused before it could start."""
         async with self._step_lock:
             if self._paused:
                 return None
             start = time.perf_counter()
             out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-            self.stats.compute_s += time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.stats.compute_s += took
+            kind = f"{fn.__name__}_s"
+            setattr(self.stats, kind, getattr(self.stats, kind) + took)
             return out
 
     async def _serve(self) -> None:
