@@ -18,6 +18,7 @@ USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] 
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    from .checkpoint.resume import ResumeError
     from .config import ConfigError, load_config
     from .data.datasets import DatasetError
     from .scheduler.controller import RolloutsStopped
@@ -45,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         from .trainer import Trainer
 
         summary = Trainer(cfg).run()
-    except (ConfigError, DatasetError) as err:
+    except (ConfigError, DatasetError, ResumeError) as err:
         print(f"megatron_rl: error: {err}", file=sys.stderr)
         return 2
     except RolloutsStopped as err:

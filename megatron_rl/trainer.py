@@ -25,7 +25,8 @@ import torch
 
 from .algorithms import compute_advantages
 from .algorithms.kl import kl_shaped_reward
-from .checkpoint import save_checkpoint
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint.resume import CountingIterator, capture_rng, load_newest_good, restore_rng
 from .config.schema import RootConfig
 from .data.build import build_data
 from .data.datasets import Prompt
@@ -112,7 +113,8 @@ class Trainer:
         seed_everything(cfg.trainer.seed)
         self.tokenizer, prompts = build_data(cfg)
         self.tokenizer.save(self.run_dir / "tokenizer.json")
-        self.prompts = iter(prompts)
+        # Counted, so that a resumed run skips what the checkpointed run had drawn.
+        self.prompts = CountingIterator(prompts)
         vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
         # PPO with GAE: a value model with the policy's layout, starting from its weights.
@@ -124,7 +126,6 @@ class Trainer:
         r = cfg.rollout
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
                                      stop_token_ids=(self.tokenizer.eos_id,), stream=False)
-        self.metrics = MetricsWriter(self.run_dir)
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
         self.version = 0
@@ -137,6 +138,12 @@ class Trainer:
         self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
                                           train_executor=self.learner_executor,
                                           max_filtered_batches=cfg.algo.filter_max_batches)
+        self.start_step = 1
+        self._engine_sampling_state: Optional[bytes] = None
+        if cfg.trainer.resume:
+            self.resume()  # last: the random states it restores must not be consumed by set-up
+        # Events of steps after the checkpoint (a run that died past it) are dropped from TensorBoard.
+        self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
         logger.info("run directory: %s", self.run_dir)
 
     # ------------------------------------------------------------------ pieces of a step
@@ -330,9 +337,41 @@ class Trainer:
                                   "returned to the queue and the run stopped. Its last words are in "
                                   "logs/train.log") from None
 
+    # ------------------------------------------------------------------ checkpoints
+    def resume(self) -> None:
+        """Continue from the newest loadable checkpoint of this run directory, if there is one:
+        weights and optimizers, random states, the position in the prompt stream, the policy
+        version and the prompts that were waiting or in flight (they are generated again)."""
+        found = load_newest_good(self.run_dir / "checkpoints",
+                                 lambda path: load_checkpoint(self.learner, path, critic=self.critic))
+        if found is None:
+            return
+        path, state = found
+        self.start_step = state["step"] + 1
+        self.version = self.controller.version = state["policy_version"]
+        self.prompts.skip(state["prompts_drawn"])
+        self.ledger.load_state_dict(state["ledger"])
+        restore_rng(state["rng"])
+        engine_state = state.get("engine_sampling_state")
+        self._engine_sampling_state = bytes.fromhex(engine_state) if engine_state else None
+        logger.info("resumed from %s: step %d, policy version %d", path, state["step"], self.version)
+
+    async def save(self, step: int) -> None:
+        engine_state = await self.engine.sampling_state()
+        state = {
+            "policy_version": self.version,
+            "prompts_drawn": self.prompts.drawn,
+            "ledger": self.ledger.state_dict(),
+            "rng": capture_rng(),
+            "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
+        }
+        with self.timeline.span("checkpoint", step=step):
+            save_checkpoint(self.learner, self.run_dir / "checkpoints", step, state,
+                            keep=self.cfg.trainer.checkpoint_keep, critic=self.critic)
+
     # ------------------------------------------------------------------ the run
-    def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
-                   progress: Progress) -> None:
+    async def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
+                         progress: Progress) -> None:
         cfg = self.cfg.trainer
         history.append(metrics)
         self.metrics.write(step, metrics)
@@ -343,15 +382,16 @@ class Trainer:
                         metrics["train/entropy"], metrics["response/length_mean"],
                         metrics["staleness/mean"], metrics["time/step_s"])
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
-            self.save(step)
+            await self.save(step)
 
     async def _run(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
-        await self.sync_weights()  # the engine starts from the learner's initial weights
-        history: List[Dict[str, float]] = []
+        await self.engine.set_sampling_state(self._engine_sampling_state)
+        await self.sync_weights()  # the engine starts from the learner's (initial or resumed) weights
+        history: List[Dict[str, float]] = self.metrics.history()
         last = [time.perf_counter(), 0]  # wall time and engine tokens at the previous step
 
-        def on_step(step: int, metrics: Dict[str, float], batch) -> None:
+        async def on_step(step: int, metrics: Dict[str, float], batch) -> None:
             now = time.perf_counter()
             interval = max(now - last[0], 1e-9)
             gen_tokens, train_tokens = self.tokens([t for g in batch for t in g.trajectories])
@@ -372,35 +412,30 @@ class Trainer:
                 **self.engine_metrics(),
             })
             last[0], last[1] = now, engine_tokens
-            self.after_step(step, metrics, history, progress)
+            await self.after_step(step, metrics, history, progress)
 
         self.started = time.perf_counter()
-        with Progress(cfg.total_steps, enabled=cfg.progress) as progress:
+        ran = self.start_step <= cfg.total_steps
+        with Progress(cfg.total_steps, enabled=cfg.progress, start=self.start_step - 1) as progress:
             if self.cfg.scheduler.mode == "sync":
-                for step in range(1, cfg.total_steps + 1):
+                for step in range(self.start_step, cfg.total_steps + 1):
                     t0 = time.perf_counter()
                     metrics = await self.sync_step(step)
                     metrics["time/step_s"] = time.perf_counter() - t0
-                    self.after_step(step, metrics, history, progress)
-            else:
+                    await self.after_step(step, metrics, history, progress)
+            elif ran:
                 try:
-                    await self.controller.run(cfg.total_steps, on_step)
+                    await self.controller.run(cfg.total_steps, on_step, first_step=self.start_step)
                 except RolloutsStopped:
                     await self.controller.drain()
                     await self.engine.shutdown()
                     raise
                 await self.engine.abort()
                 await self.controller.drain()
-        if cfg.save_final_checkpoint:
-            self.save(cfg.total_steps)
+        if cfg.save_final_checkpoint and ran:
+            await self.save(cfg.total_steps)
         await self.engine.shutdown()
         return summarize(history)
-
-    def save(self, step: int) -> None:
-        with self.timeline.span("checkpoint", step=step):
-            save_checkpoint(self.learner, self.run_dir / "checkpoints", step,
-                            {"policy_version": self.version}, keep=self.cfg.trainer.checkpoint_keep,
-                            critic=self.critic)
 
     def run(self) -> Dict[str, float]:
         try:

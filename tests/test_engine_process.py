@@ -85,8 +85,8 @@ def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_worl
     trainer = Trainer(cfg)
     real_after_step = trainer.after_step
 
-    def kill_at_step_3(step, *args):
-        real_after_step(step, *args)
+    async def kill_at_step_3(step, *args):
+        await real_after_step(step, *args)
         if step == 3:
             os.kill(trainer.engine._proc.pid, signal.SIGKILL)
 

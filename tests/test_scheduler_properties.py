@@ -168,9 +168,12 @@ def test_controller_stops_when_every_group_is_filtered():
 
     controller = AsyncController(ledger, rollout, lambda batch, v: {}, publish, max_filtered_batches=3)
 
+    async def on_step(*args):
+        pass
+
     async def run():
         with pytest.raises(RolloutsStopped, match="all-equal rewards"):
-            await asyncio.wait_for(controller.run(5, lambda *a: None), timeout=30)
+            await asyncio.wait_for(controller.run(5, on_step), timeout=30)
         await controller.drain()
 
     asyncio.run(run())

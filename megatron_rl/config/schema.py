@@ -198,6 +198,9 @@ class TrainerConfig:
     recipe: str = "custom"
     checkpoint_interval: int = 0
     checkpoint_keep: int = 2
+    # Continue from the newest loadable checkpoint in run_dir, if there is one (an unreadable newer
+    # one is skipped with a warning). Give the same trainer.run_dir to pick a run up again.
+    resume: bool = True
     save_final_checkpoint: bool = True
     log_interval: int = 1
     progress: bool = True

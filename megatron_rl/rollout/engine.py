@@ -43,6 +43,13 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The policy version of the weights currently loaded."""
 
+    async def sampling_state(self) -> Optional[bytes]:
+        """The sampler's random state, for exact resume (None where the engine cannot expose it)."""
+        return None
+
+    async def set_sampling_state(self, state: Optional[bytes]) -> None:
+        """Restore what ``sampling_state`` returned (ignored where unsupported)."""
+
     async def sleep(self) -> None:
         """Free accelerator memory for colocated training (no-op where unsupported)."""
 

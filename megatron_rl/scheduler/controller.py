@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 RolloutFn = Callable[[Ticket], Awaitable[List[Trajectory]]]
 TrainFn = Callable[[List[FinishedGroup], int], Dict[str, float]]
 PublishFn = Callable[[int], Awaitable[None]]
-StepFn = Callable[[int, Dict[str, float], List[FinishedGroup]], None]
+StepFn = Callable[[int, Dict[str, float], List[FinishedGroup]], Awaitable[None]]
 
 
 class GroupFailed(RuntimeError):
@@ -52,11 +52,14 @@ class AsyncController:
         self._stopped: Optional[RolloutsStopped] = None
         self.learner_wait_s = 0.0
 
-    async def run(self, steps: int, on_step: StepFn) -> None:
+    async def run(self, steps: int, on_step: StepFn, first_step: int = 1) -> None:
+        """Train steps ``first_step`` .. ``steps`` (a resumed run starts past 1). ``on_step`` runs
+        after each step's weights are published and before new rollouts are admitted under the
+        new version, so a checkpoint it writes sees no rollout of the next step at η = 0."""
         self._changed = asyncio.Condition()
         producer = asyncio.create_task(self._produce(), name="rollout-producer")
         try:
-            for step in range(1, steps + 1):
+            for step in range(first_step, steps + 1):
                 wait_start = time.perf_counter()
                 batch = await self._next_batch()
                 waited = time.perf_counter() - wait_start
@@ -72,8 +75,8 @@ class AsyncController:
                 metrics["time/sync_s"] = time.perf_counter() - start
                 self.version += 1
                 metrics.update({"time/train_s": train_s, "time/learner_wait_s": waited})
+                await on_step(step, metrics, batch)
                 await self._notify()
-                on_step(step, metrics, batch)
         finally:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)

@@ -9,8 +9,8 @@ any interleaving of finishes, failures and training steps.
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, List, Optional, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 
 from ..data.datasets import Prompt
 from ..types import Trajectory
@@ -145,3 +145,32 @@ class PromptLedger:
         """Each admission is running, buffered, consumed, filtered or returned: exactly one."""
         c = self.counts
         return c["admitted"] == self.in_flight + len(self.buffer) + c["consumed"] + c["filtered"] + c["returned"]
+
+    # -------------------------------------------------------------- checkpoint
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps (JSON-friendly). Groups running or finished but not yet trained
+        are kept as prompts to do first after a resume (their rollouts are generated again), behind
+        the prompts already waiting to be retried."""
+        redo = ([t.prompt for _, t in sorted(self.running.items())]
+                + [g.ticket.prompt for g in sorted(self.buffer, key=lambda g: g.ticket.index)])
+        counts = Counter(self.counts)
+        counts["returned"] += len(redo)
+        counts["returned_resume"] += len(redo)
+        return {
+            "retry": [asdict(p) for p in list(self.retry_queue) + redo],
+            "counts": dict(counts),
+            "accepted": self.staleness.accepted - len(self.buffer),
+            "next_index": self._next_index,
+            "attempts": dict(self.attempts),
+            "filtered_streak": self.filtered_streak,
+        }
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if self.running or self.buffer or self.counts:
+            raise RuntimeError("restore a ledger before it admits anything")
+        self.retry_queue = deque(Prompt(**p) for p in state["retry"])
+        self.counts = Counter(state["counts"])
+        self.staleness.accepted = state["accepted"]
+        self._next_index = state["next_index"]
+        self.attempts = dict(state["attempts"])
+        self.filtered_streak = state["filtered_streak"]

@@ -13,11 +13,26 @@ import numpy as np
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path):
+    """``first_step`` > 1 continues a resumed run: rows and events of steps from ``first_step`` on,
+    written by the run before it died past its checkpoint, are dropped (they are done again)."""
+
+    def __init__(self, run_dir: Path, first_step: int = 1):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
-        self.jsonl = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        self._kept: List[Dict] = []
+        if first_step > 1 and path.exists():
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self._kept = [r for r in rows if r["step"] < first_step]
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self._kept))
+            os.replace(tmp, path)
+        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step if first_step > 1 else None)
+        self.jsonl = path.open("a", buffering=1)
+
+    def history(self) -> List[Dict]:
+        """The rows of the steps before ``first_step`` (empty for a fresh run), without their step key."""
+        return [{k: v for k, v in r.items() if k != "step"} for r in self._kept]
 
     def write(self, step: int, metrics: Dict[str, Union[float, List[int]]]) -> None:
         """Scalars, plus histograms given as a list of counts per integer bucket

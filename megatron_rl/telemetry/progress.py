@@ -7,8 +7,9 @@ from typing import Dict
 
 
 class Progress:
-    def __init__(self, total: int, enabled: bool = True):
+    def __init__(self, total: int, enabled: bool = True, start: int = 0):
         self.total = total
+        self.start = start  # steps already done (a resumed run)
         self.enabled = enabled and sys.stderr.isatty()
         self._bar = None
 
@@ -21,7 +22,7 @@ class Progress:
                                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
                                      TimeRemainingColumn(), transient=False)
             self._bar.start()
-            self._task = self._bar.add_task("train", total=self.total, info="")
+            self._task = self._bar.add_task("train", total=self.total, completed=self.start, info="")
         return self
 
     def update(self, step: int, metrics: Dict[str, float]) -> None:

@@ -137,6 +137,19 @@ class EmbeddedEngine(RolloutEngine):
             if not finished:  # the caller stopped listening: free the slot
                 self._abort_now({request_id})
 
+    async def sampling_state(self) -> Optional[bytes]:
+        async with self._lock():  # not in the middle of a sampling step
+            return bytes(self._gen.generator.get_state().tolist())
+
+    async def set_sampling_state(self, state: Optional[bytes]) -> None:
+        if state is not None:
+            async with self._lock():
+                self._gen.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
+
+    def _lock(self) -> asyncio.Lock:
+        self._ensure_started()
+        return self._step_lock
+
     async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
         self._abort_now(set(request_ids) if request_ids is not None else None)
 

@@ -115,6 +115,12 @@ class EngineProcess(RolloutEngine):
         await self._call("update_weights", tensors, version)
         self._version = version
 
+    async def sampling_state(self) -> Optional[bytes]:
+        return await self._call("sampling_state")
+
+    async def set_sampling_state(self, state: Optional[bytes]) -> None:
+        await self._call("set_sampling_state", state)
+
     async def shutdown(self) -> None:
         self._closing = True
         if self._proc.is_alive() and self._failure is None:
@@ -181,12 +187,12 @@ class EngineProcess(RolloutEngine):
             if queue is not None:
                 queue.put_nowait(EngineError(text))
         elif kind == "reply":
-            _, call_id, error, stats = message
+            _, call_id, error, stats, result = message
             self.stats = stats
             future = self._calls.pop(call_id, None)
             if future is not None and not future.done():
                 if error is None:
-                    future.set_result(None)
+                    future.set_result(result)
                 else:
                     future.set_exception(EngineError(error))
         elif kind == "stats":
@@ -260,14 +266,14 @@ class _ChildServer:
                 await self.engine.abort(message[1])
             elif message[0] == "call":
                 _, call_id, name, args = message
-                error = None
+                error = result = None
                 try:
-                    await getattr(self.engine, name)(*args)
+                    result = await getattr(self.engine, name)(*args)
                 except Exception as err:  # noqa: BLE001 - the parent raises it
                     error = f"{name} failed in the engine process: {err}"
                 if name == "shutdown":
                     await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-                self.reply(("reply", call_id, error, self.engine.stats))
+                self.reply(("reply", call_id, error, self.engine.stats, result))
                 if name == "shutdown":
                     return
 
