@@ -22,6 +22,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from .config import ConfigError, load_config
     from .data.datasets import DatasetError
     from .scheduler.controller import RolloutsStopped
+    from .stop import STOPPED_EXIT, StopRequested
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -52,6 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except RolloutsStopped as err:
         print(f"megatron_rl: error: {err}", file=sys.stderr)
         return 1
+    except StopRequested as err:
+        print(f"megatron_rl: {err}", file=sys.stderr)
+        return STOPPED_EXIT
     print(json.dumps(summary))
     return 0
 

@@ -18,6 +18,7 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from itertools import islice
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -41,6 +42,7 @@ from .rollout.engine import EngineError
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket
 from .scheduler.staleness import StalenessManager
+from .stop import StopRequested, StopWatch
 from .telemetry.metrics import MetricsWriter, Timeline
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
@@ -138,6 +140,7 @@ class Trainer:
         self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
                                           train_executor=self.learner_executor,
                                           max_filtered_batches=cfg.algo.filter_max_batches)
+        self.stop_watch = StopWatch(self.run_dir)
         self.start_step = 1
         self._engine_sampling_state: Optional[bytes] = None
         if cfg.trainer.resume:
@@ -356,7 +359,7 @@ class Trainer:
         self._engine_sampling_state = bytes.fromhex(engine_state) if engine_state else None
         logger.info("resumed from %s: step %d, policy version %d", path, state["step"], self.version)
 
-    async def save(self, step: int) -> None:
+    async def save(self, step: int) -> Path:
         engine_state = await self.engine.sampling_state()
         state = {
             "policy_version": self.version,
@@ -366,7 +369,7 @@ class Trainer:
             "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
         }
         with self.timeline.span("checkpoint", step=step):
-            save_checkpoint(self.learner, self.run_dir / "checkpoints", step, state,
+            return save_checkpoint(self.learner, self.run_dir / "checkpoints", step, state,
                             keep=self.cfg.trainer.checkpoint_keep, critic=self.critic)
 
     # ------------------------------------------------------------------ the run
@@ -381,6 +384,8 @@ class Trainer:
                         step, cfg.total_steps, metrics["reward/mean"], metrics["train/loss"],
                         metrics["train/entropy"], metrics["response/length_mean"],
                         metrics["staleness/mean"], metrics["time/step_s"])
+        if step < cfg.total_steps and self.stop_watch.requested():
+            raise StopRequested(step, await self.save(step))
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
             await self.save(step)
 
@@ -417,21 +422,25 @@ class Trainer:
         self.started = time.perf_counter()
         ran = self.start_step <= cfg.total_steps
         with Progress(cfg.total_steps, enabled=cfg.progress, start=self.start_step - 1) as progress:
-            if self.cfg.scheduler.mode == "sync":
-                for step in range(self.start_step, cfg.total_steps + 1):
-                    t0 = time.perf_counter()
-                    metrics = await self.sync_step(step)
-                    metrics["time/step_s"] = time.perf_counter() - t0
-                    await self.after_step(step, metrics, history, progress)
-            elif ran:
-                try:
+            try:
+                if self.cfg.scheduler.mode == "sync":
+                    for step in range(self.start_step, cfg.total_steps + 1):
+                        t0 = time.perf_counter()
+                        metrics = await self.sync_step(step)
+                        metrics["time/step_s"] = time.perf_counter() - t0
+                        await self.after_step(step, metrics, history, progress)
+                elif ran:
                     await self.controller.run(cfg.total_steps, on_step, first_step=self.start_step)
-                except RolloutsStopped:
-                    await self.controller.drain()
-                    await self.engine.shutdown()
-                    raise
-                await self.engine.abort()
+            except (StopRequested, RolloutsStopped) as stop:
+                # Stopped on request (checkpoint written) or the engine is gone: rollouts still
+                # running return their prompts, then the engine is released.
+                if isinstance(stop, StopRequested):
+                    await self.engine.abort()
                 await self.controller.drain()
+                await self.engine.shutdown()
+                raise
+            await self.engine.abort()
+            await self.controller.drain()
         if cfg.save_final_checkpoint and ran:
             await self.save(cfg.total_steps)
         await self.engine.shutdown()

@@ -139,3 +139,31 @@ def test_ledger_keeps_unfinished_prompts_first():
     assert resumed.staleness.accepted == 2 and resumed.staleness.running == 0
     order = [resumed.admit(1).prompt.uid for _ in range(5)]
     assert order == ["p4", "p5", "p2", "p3", "p6"]
+
+
+@pytest.mark.parametrize("how", ["signal", "file"])
+def test_stop_request_checkpoints_and_exits_3_then_resumes(tmp_path, how):
+    """What Slurm's preemption warning triggers: SIGUSR1 to the trainer, or the stop file the
+    sbatch script writes."""
+    from megatron_rl.stop import STOP_FILE, STOPPED_EXIT
+
+    cmd = _cmd(tmp_path, 200, "trainer.checkpoint_interval=0", eta=1)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while len(_rows(tmp_path)) < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if how == "signal":
+        proc.send_signal(signal.SIGUSR1)
+    else:
+        (tmp_path / STOP_FILE).touch()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == STOPPED_EXIT, err[-2000:]
+    stopped_at = len(_rows(tmp_path))
+    assert f"stopped on request after step {stopped_at}" in err and stopped_at < 200
+    assert (tmp_path / "checkpoints" / f"step_{stopped_at}").is_dir()
+
+    (tmp_path / STOP_FILE).unlink(missing_ok=True)
+    resumed = subprocess.run(_cmd(tmp_path, stopped_at + 3, eta=1), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resumed from {tmp_path}/checkpoints/step_{stopped_at}" in resumed.stderr
+    assert [r["step"] for r in _rows(tmp_path)] == list(range(1, stopped_at + 4))

@@ -1,0 +1,91 @@
+"""``python -m megatron_rl.slurm submit recipe=NAME [nodes=N gpus_per_node=G partition=P time=T ...]
+[--dry-run] [--wait] [config overrides ...]``
+
+Checks the config, writes the batch script into the run directory (``<run_dir>/slurm/job.sbatch``),
+submits it with sbatch and prints the job id. ``--dry-run`` prints the script and submits nothing;
+``--wait`` returns when the job ends, with its exit status."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from .script import JobSpec, render
+
+# key=value arguments that describe the job rather than the training config.
+JOB_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "partition": str, "time": str,
+            "account": str, "job_name": str, "signal_lead_s": int, "rdzv_port": int, "python": str}
+USAGE = __doc__
+
+
+def parse(args: List[str]) -> JobSpec:
+    """A JobSpec from the command line; raises ValueError naming a bad argument."""
+    from ..config import load_config
+
+    recipe, overrides, job = "tiny_cpu", [], {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ValueError(f"unexpected argument {arg!r}; arguments are key=value (see --help)")
+        if key == "recipe":
+            recipe = value
+        elif key in JOB_KEYS:
+            try:
+                job[key] = JOB_KEYS[key](value)
+            except ValueError:
+                kind = "an integer" if JOB_KEYS[key] is int else "text"
+                raise ValueError(f"{key}={value!r} must be {kind}") from None
+        else:
+            overrides.append(arg)
+    if job.get("nodes", 1) < 1 or job.get("gpus_per_node", 0) < 0:
+        raise ValueError("nodes must be >= 1 and gpus_per_node >= 0")
+    cfg = load_config(recipe, overrides)  # fail here, not after the job waited in the queue
+    run_dir = Path(cfg.trainer.run_dir or Path("runs") / recipe / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")]
+    return JobSpec(recipe=recipe, run_dir=run_dir, overrides=overrides, python=job.pop("python", sys.executable), **job)
+
+
+def submit(spec: JobSpec, wait: bool = False) -> int:
+    if shutil.which("sbatch") is None:
+        raise RuntimeError("sbatch not found: run this on a Slurm login node (or use --dry-run)")
+    script = spec.run_dir / "slurm" / "job.sbatch"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(render(spec))
+    cmd = ["sbatch", "--parsable"] + (["--wait"] if wait else []) + [str(script)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # --parsable prints the job id as soon as the job is queued, before --wait returns.
+    first = proc.stdout.readline().strip()
+    if first:
+        print(f"submitted job {first.split(';')[0]}: script {script}, log {spec.run_dir}/slurm/slurm-<id>.out, "
+              f"run directory {spec.run_dir}", flush=True)
+    out, err = proc.communicate()
+    if proc.returncode and not first:
+        raise RuntimeError(f"sbatch failed: {err.strip() or out.strip()}")
+    return proc.returncode
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from ..config import ConfigError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help") or args[0] != "submit":
+        print(USAGE)
+        return 0 if args and args[0] in ("-h", "--help") else 2
+    rest = [a for a in args[1:] if a not in ("--dry-run", "--wait")]
+    try:
+        spec = parse(rest)
+        if "--dry-run" in args:
+            print(render(spec))
+            return 0
+        return submit(spec, wait="--wait" in args)
+    except (ValueError, ConfigError, RuntimeError) as err:
+        print(f"megatron_rl.slurm: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
