@@ -97,7 +97,8 @@ def test_logprobs_agree_across_continuous_batching_and_a_weight_swap(megatron_wo
                 logprobs += chunk.logprobs
                 versions += chunk.versions
                 if len(tokens) >= 4 and not later:  # newcomers join the running batch
-                    later.extend(submit(10 + i, short, 2 + 2 * i) for i in range(8))
+                    # Longest first: admitted in length groups, then put back in this order.
+                    later.extend(submit(10 + i, short, 16 - 2 * i) for i in range(8))
                     # Swap once they are done (the engine keeps decoding this row meanwhile),
                     # so only the swap itself can rebuild the batch.
                     await asyncio.gather(*later)
@@ -123,3 +124,31 @@ def test_logprobs_agree_across_continuous_batching_and_a_weight_swap(megatron_wo
     gap_old, gap_new = _gap(old, trajs, lambda v: v == 1), _gap(new, trajs, lambda v: v == 2)
     print(f"continuous batching: {stats}, gap v1 {gap_old:.2e}, gap v2 {gap_new:.2e}")
     assert gap_old <= 1e-5 and gap_new <= 1e-5, (gap_old, gap_new)
+
+
+def test_logprobs_agree_after_the_window_slides(megatron_world):
+    """A row that joined late, decoded long after the rows before it left: the cache window slides
+    left (the shared offset shrinks) and its logprobs still equal the learner's."""
+    from megatron_rl.models.gpt import model_device
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    learner = _learner()
+    model = learner.module.eval()
+    gen = KVCachedGenerator(model, max_batch_size=12, max_seq_len=64, device=model_device(), seed=0)
+    params = SamplingParams(max_new_tokens=60)
+    gen.prefill([[1, 2, 3, 4]] * 10, params)
+    for _ in range(30):  # the early rows run; the offset reaches 34
+        gen.decode(params)
+    prompt = [5, 6, 7, 8, 9]
+    tokens, logprobs = gen.admit([], [prompt], params)  # the early rows leave; B joins at slot 29
+    offsets = []
+    for _ in range(24):
+        step_tokens, step_logprobs = gen.decode(params)
+        tokens += step_tokens[:1]
+        logprobs += step_logprobs[:1]
+        offsets.append(gen.offset)
+    assert gen.slides >= 1 and min(offsets) < 40, offsets  # without sliding it would end at 58
+    traj = Trajectory("b", 0, prompt, tokens, logprobs, [0] * len(tokens), "length")
+    gap = _gap(learner, [traj], lambda v: True)
+    print(f"after {gen.slides} slide(s), offsets {offsets[0]}..{offsets[-1]}: gap {gap:.2e}")
+    assert gap <= 1e-5, gap

@@ -223,9 +223,9 @@ class EmbeddedEngine(RolloutEngine):
             self._step_lock = asyncio.Lock()
             self._task = asyncio.get_running_loop().create_task(self._serve(), name="embedded-engine")
 
-    async def _compute(self, fn, *args):
-        """Run one model step (the generator's prefill, admit or decode) on the compute thread;
-        None if paused before it could start."""
+    async def _compute(self, kind: str, fn, *args):
+        """Run one model step (``kind``: prefill, admit or decode) on the compute thread; None if
+        paused before it could start."""
         async with self._step_lock:
             if self._paused:
                 return None
@@ -233,8 +233,7 @@ class EmbeddedEngine(RolloutEngine):
             out = await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
             took = time.perf_counter() - start
             self.stats.compute_s += took
-            kind = f"{fn.__name__}_s"
-            setattr(self.stats, kind, getattr(self.stats, kind) + took)
+            setattr(self.stats, f"{kind}_s", getattr(self.stats, f"{kind}_s") + took)
             return out
 
     async def _serve(self) -> None:
@@ -284,7 +283,7 @@ class EmbeddedEngine(RolloutEngine):
         if finished >= max(8, len(self._batch) // 2):  # drop finished rows from the decode batch
             await self._admit(running, [])
             return
-        sampled = await self._compute(self._gen.decode, running[0].params)
+        sampled = await self._compute("decode", self._gen.decode, running[0].params)
         if sampled is not None:
             self.stats.decode_steps += 1
             self.stats.decode_rows += len(running)
@@ -293,7 +292,7 @@ class EmbeddedEngine(RolloutEngine):
     async def _rebuild(self, running: List[_Request], joining: List[_Request]) -> None:
         rows = running + joining
         self._take(joining)
-        sampled = await self._compute(self._gen.prefill, [r.prompt_ids + r.tokens for r in rows], rows[0].params)
+        sampled = await self._compute("prefill", self._gen.prefill, [r.prompt_ids + r.tokens for r in rows], rows[0].params)
         if sampled is None:  # paused first
             self._untake(joining)
             return
@@ -304,7 +303,7 @@ class EmbeddedEngine(RolloutEngine):
     async def _admit(self, running: List[_Request], joining: List[_Request]) -> None:
         keep = [row for row, req in enumerate(self._batch) if req.finish is None]
         self._take(joining)
-        sampled = await self._compute(self._gen.admit, keep, [r.prompt_ids + r.tokens for r in joining],
+        sampled = await self._compute("admit", self._gen.admit, keep, [r.prompt_ids + r.tokens for r in joining],
                                       running[0].params)
         if sampled is None:
             self._untake(joining)

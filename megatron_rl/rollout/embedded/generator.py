@@ -33,6 +33,19 @@ from ..sampling import sample_tokens
 Sampled = Tuple[List[int], List[float]]
 
 
+def length_groups(sorted_lengths: Sequence[int], max_groups: int = 4) -> List[List[int]]:
+    """Split ascending lengths into at most ``max_groups`` runs (indices) where no member is much
+    longer than the run's shortest (> 2x + 8 starts a new run): one prefill forward per run pads
+    far less than one forward padded to the longest."""
+    groups: List[List[int]] = [[]]
+    for i, n in enumerate(sorted_lengths):
+        group = groups[-1]
+        if group and n > 2 * sorted_lengths[group[0]] + 8 and len(groups) < max_groups:
+            groups.append([])
+        groups[-1].append(i)
+    return groups
+
+
 class KVCachedGenerator:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_seq_len: int,
                  device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None):
@@ -51,6 +64,7 @@ class KVCachedGenerator:
         self.rows = 0
         self._key_padding: Optional[torch.Tensor] = None  # [max_batch, cache_len] True where masked
         self._last: Optional[torch.Tensor] = None  # [rows] last sampled tokens
+        self.slides = 0  # times the window moved left (_slide_window)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
@@ -107,7 +121,10 @@ class KVCachedGenerator:
     @torch.no_grad()
     def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams) -> Sampled:
         """Keep rows ``keep`` (moved to the front, in that order), add ``sequences`` after them at the
-        current offset, and sample the newcomers' next tokens (only theirs are returned)."""
+        current offset, and sample the newcomers' next tokens (only theirs are returned, in order).
+
+        Newcomers are prefilled in groups of similar length (one forward each), so a few long
+        prompts do not pad every newcomer to their length."""
         offset, n, m = self.offset, len(keep), len(sequences)
         if n + m > self.max_batch_size:
             raise ValueError(f"batch of {n + m} exceeds rollout.max_batch_size={self.max_batch_size}")
@@ -122,31 +139,59 @@ class KVCachedGenerator:
         self._last = self._last[:n]
         if not m:
             return [], []
+        if max(len(seq) for seq in sequences) > offset:
+            raise ValueError(f"a sequence of {max(len(seq) for seq in sequences)} tokens cannot join at offset {offset}")
+        order = sorted(range(m), key=lambda i: len(sequences[i]))
+        new = torch.empty(m, dtype=torch.long, device=self.device)
+        logprobs = torch.empty(m, dtype=torch.float, device=self.device)
+        row = n
+        for group in length_groups([len(sequences[i]) for i in order]):
+            members = [order[i] for i in group]
+            sampled, lps = self._prefill_rows(row, [sequences[i] for i in members], params)
+            new[members], logprobs[members] = sampled, lps
+            row += len(members)
+        # The groups filled the rows in length order; put them in the caller's order.
+        if order != sorted(order):
+            rank = torch.empty(m, dtype=torch.long)
+            rank[torch.tensor(order)] = torch.arange(m)
+            self._move_rows(n, rank.to(self.device) + n)
+        self._last = torch.cat([self._last, new])
+        return new.tolist(), logprobs.tolist()
+
+    def _move_rows(self, first: int, source: torch.Tensor) -> None:
+        """Rows first.. become copies of rows ``source`` (cache entries and key padding)."""
+        rows = slice(first, first + len(source))
+        for key, value in self.context.key_value_memory_dict.values():
+            key[: self.offset, rows] = key[: self.offset, source]
+            value[: self.offset, rows] = value[: self.offset, source]
+        self._key_padding[rows] = self._key_padding[source]
+
+    def _prefill_rows(self, first_row: int, sequences: List[List[int]], params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prefill ``sequences`` into rows ``first_row``.. so that they end at the current offset."""
+        offset, m = self.offset, len(sequences)
         width = max(len(seq) for seq in sequences)
-        if width > offset:
-            raise ValueError(f"a sequence of {width} tokens cannot join at offset {offset}")
         start = offset - width
         tokens, padding = self._left_pad(sequences, width, end=offset)
-        self._key_padding[n : n + m] = padding
+        rows = slice(first_row, first_row + m)
+        self._key_padding[rows] = padding
         for key, value in self.context.key_value_memory_dict.values():
             # Slots before the newcomers hold earlier rows' entries (or uninitialised memory):
             # masked, but zeroed so that 0 * garbage cannot be NaN.
-            key[:start, n : n + m] = 0
-            value[:start, n : n + m] = 0
+            key[:start, rows] = 0
+            value[:start, rows] = 0
         causal = torch.ones(width, offset, dtype=torch.bool, device=self.device).triu(start + 1)
-        mask = causal[None, None] | self._key_padding[n : n + m, None, None, :offset]
-        self.context.sequence_len_offset, self.context.batch_size_offset = start, n
+        mask = causal[None, None] | self._key_padding[rows, None, None, :offset]
+        self.context.sequence_len_offset, self.context.batch_size_offset = start, first_row
         try:
             logits = self._logits(tokens, start, mask)
         finally:
             self.context.sequence_len_offset, self.context.batch_size_offset = offset, 0
-        new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
-        self._last = torch.cat([self._last, new])
-        return new.tolist(), logprobs.tolist()
+        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
 
     @torch.no_grad()
     def decode(self, params: SamplingParams) -> Sampled:
         """One decode step for every row of the batch (the caller ignores rows it has finished)."""
+        self._slide_window()
         position = self.context.sequence_len_offset
         if position >= self.cache_len:
             raise RuntimeError(f"KV cache of {self.cache_len} slots is full")
@@ -154,6 +199,33 @@ class KVCachedGenerator:
         logits = self._logits(self._last.unsqueeze(1), position, mask)
         self.context.sequence_len_offset += 1
         return self._sample(logits, params)
+
+    def _slide_window(self) -> None:
+        """Move every row's entries left by the slots that no row uses any more.
+
+        Continuous admission keeps advancing the shared offset, and each decode step attends over
+        (and re-rotates) every slot up to it, so without this the cost per token grows with the
+        batch's age, not with its sequences' lengths. Keys are stored before RoPE and all rows
+        move together, so relative positions (and attention) are unchanged. The offset is kept at
+        least half the model's context, so typical newcomers still fit in place."""
+        offset = self.offset
+        floor = self.max_seq_len // 2
+        if offset <= floor or not self.rows:
+            return
+        padding = self._key_padding[: self.rows, :offset]
+        # Rows are right-aligned: their padding is a prefix; argmax finds each row's first real slot.
+        first_used = int((~padding).to(torch.uint8).argmax(dim=1).min())
+        shift = min(first_used, offset - floor)
+        if shift < max(16, offset // 4):  # not worth a copy of the cache
+            return
+        kept = offset - shift
+        for key, value in self.context.key_value_memory_dict.values():
+            key[:kept, : self.rows] = key[shift:offset, : self.rows].clone()
+            value[:kept, : self.rows] = value[shift:offset, : self.rows].clone()
+        self._key_padding[: self.rows, :kept] = padding[:, shift:].clone()
+        self._key_padding[: self.rows, kept:] = False
+        self.context.sequence_len_offset = kept
+        self.slides += 1
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
         new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
