@@ -30,7 +30,7 @@ from .config.schema import RootConfig
 from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.learner import Learner
-from .models.gpt import padded_vocab_size
+from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner
 from .rewards.shaping import overlong_penalty
 from .rollout.embedded import EmbeddedEngine, EngineProcess
@@ -112,7 +112,7 @@ class Trainer:
         self.tokenizer, prompts = build_data(cfg)
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         self.prompts = iter(prompts)
-        vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
+        vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
         self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,

@@ -33,7 +33,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("rollout.engines=4", "rollout.engines=4 is not available yet"),
         ("learner.dp=2", "learner.dp=2 is not available yet"),
         ("data.distinct_digits=true data.digits=0123 data.max_digits=5", "exceeds the 4 distinct symbols"),
-        ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not available yet"),
+        ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not a directory"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
         ("learner.min_lr=0.5", "learner.min_lr=0.5 must be <= learner.lr"),
         ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),

@@ -156,12 +156,6 @@ def validate(cfg: RootConfig) -> RootConfig:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {needed} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
-    if m.path is not None:
-        raise ConfigError(
-            f"model.path={m.path!r} is not available yet: loading Hugging Face or Megatron "
-            "checkpoints arrives with checkpoint conversion (issue 5); leave model.path unset "
-            "to start from random weights"
-        )
     for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
                 "rollout.engines"):
         if _get(cfg, key) not in (None, 1):

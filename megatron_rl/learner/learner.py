@@ -20,6 +20,7 @@ from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss, gspo_lo
 from ..config.schema import RootConfig
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
+from ..models.pretrained import load_pretrained
 from ..types import Trajectory
 from .batch import MicroBatch, build_micro_batches, response_values
 from .logprobs import token_entropy, token_logprobs
@@ -55,6 +56,8 @@ class Learner:
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
         model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+        if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
+            load_pretrained(model, cfg.model, cfg.model.path)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
