@@ -12,25 +12,25 @@ pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(7))
 
 
-def _sharded_logits(src: str, out: str, tp: int, pp: int, ep: int, tokens: torch.Tensor) -> torch.Tensor:
-    """On each rank: build the model at (tp, pp, ep), load ``src``, run the forward (the pipeline
-    by hand: stage 0's hidden states sent to stage 1), save at this layout to ``out``; return the
-    full logits (gathered over TP) from the last stage, None elsewhere."""
+def _sharded_logits(src: str, out, tp: int, pp: int, ep: int, tokens: torch.Tensor) -> torch.Tensor:
+    """On each rank: build the model at (tp, pp, ep), load ``src`` (Megatron or HF), run the forward
+    (the pipeline by hand: stage 0's hidden states sent to stage 1), save at this layout to ``out``
+    unless None; return the full logits (gathered over TP) from the last stage, None elsewhere."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
     from megatron_rl.learner.learner import causal_mask
     from megatron_rl.learner.parallel import init_model_parallel
-    from megatron_rl.models.convert import load_megatron_weights, read_model_config, write_model_config
+    from megatron_rl.models.convert import load_pretrained, pretrained_model_config, write_model_config
     from megatron_rl.models.gpt import build_gpt_model
 
     init_model_parallel(tp, pp, ep, seed=123)
-    cfg, vocab, hf = read_model_config(src)
+    cfg, vocab = pretrained_model_config(src, "fp32")
     first = parallel_state.is_pipeline_first_stage()
     last = parallel_state.is_pipeline_last_stage()
     model = build_gpt_model(cfg, vocab, tp=tp, pp=pp, ep=ep, pre_process=first, post_process=last).eval()
-    load_megatron_weights(model, src)
+    load_pretrained(model, cfg, src)
     b, s = tokens.shape
     positions = torch.arange(s).unsqueeze(0).expand(b, s)
     with torch.no_grad():
@@ -46,11 +46,12 @@ def _sharded_logits(src: str, out: str, tp: int, pp: int, ep: int, tokens: torch
     # torchrun), and the Manager exits with it.
     import multiprocessing
 
-    multiprocessing.current_process()._config["daemon"] = False
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, out)
-    if dist.get_rank() == 0:
-        write_model_config(out, cfg, vocab, hf)
-    dist.barrier()
+    if out is not None:
+        multiprocessing.current_process()._config["daemon"] = False
+        dist_checkpointing.save({"model": model.sharded_state_dict()}, out)
+        if dist.get_rank() == 0:
+            write_model_config(out, cfg, vocab)
+        dist.barrier()
     return gather_from_tensor_model_parallel_region(output) if last else None
 
 
@@ -92,3 +93,18 @@ def test_reshard_and_back_keeps_logits(megatron_world, tmp_path, family, tp, pp,
     got = full_state(back)
     assert sorted(want) == sorted(got)
     assert all(torch.equal(got[k], want[k]) for k in want if not k.endswith("_extra_state"))
+
+
+@pytest.mark.parametrize("family,tp,pp,ep", [("qwen2", 1, 2, 1), ("qwen2_moe", 2, 1, 1), ("mixtral", 1, 1, 2)],
+                         ids=["pp2-tied", "tp2-moe-shared", "ep2"])
+def test_hf_loads_directly_at_a_sharded_layout(tmp_path, family, tp, pp, ep):
+    """model.path=<HF dir> on a multi-rank learner: each rank slices its part straight from the HF
+    files (tied output layer on the last stage, expert TP, experts by global index)."""
+    hf_model = save_random_hf_model(family, tmp_path / "hf")
+    reference = hf_logits(hf_model, TOKENS)
+    results = run_ranks(_sharded_logits, tp * pp * ep, args=(str(tmp_path / "hf"), None, tp, pp, ep, TOKENS),
+                        timeout_s=240)
+    outputs = [r for r in results if r is not None]
+    assert outputs
+    for logits in outputs:
+        assert (logits - reference).abs().max().item() <= 1e-4

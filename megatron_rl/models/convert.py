@@ -116,17 +116,12 @@ def _build_full(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     return build_gpt_model(cfg, vocab_size).eval()
 
 
-def _require_single_rank() -> None:
+def _single_rank() -> bool:
     from megatron.core import parallel_state
 
-    sizes = (parallel_state.get_tensor_model_parallel_world_size(),
-             parallel_state.get_pipeline_model_parallel_world_size(),
-             parallel_state.get_expert_model_parallel_world_size())
-    if sizes != (1, 1, 1):
-        raise ConversionError(
-            f"a Hugging Face checkpoint loads into a whole model (tp=pp=ep=1), not tp/pp/ep={sizes}: convert it "
-            "first (python tools/convert_checkpoint.py hf-to-megatron ...) and set model.path to the Megatron "
-            "checkpoint, which loads at any layout")
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_world_size()) == (1, 1, 1)
 
 
 def pretrained_model_config(path: Path | str, dtype: str) -> Tuple[ModelConfig, int]:
@@ -141,11 +136,15 @@ def pretrained_model_config(path: Path | str, dtype: str) -> Tuple[ModelConfig, 
 
 
 def load_pretrained(model: torch.nn.Module, cfg: ModelConfig, path: Path | str) -> None:
-    """Fill a built model with the weights at ``path``: an HF directory (single-rank layout) or a
-    Megatron dist checkpoint (any layout)."""
+    """Fill a built model (at any layout) with the weights at ``path``: an HF directory or a
+    Megatron dist checkpoint."""
     if is_hf_dir(path):
-        _require_single_rank()
-        load_hf_weights(model, HFTensorReader(path), cfg)
+        if _single_rank():
+            load_hf_weights(model, HFTensorReader(path), cfg)
+        else:
+            from .hf_sharded import load_hf_weights_sharded
+
+            load_hf_weights_sharded(model, HFTensorReader(path), cfg)
     else:
         load_megatron_weights(model, path)
     logger.info("loaded pretrained weights from %s", path)
