@@ -21,6 +21,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -49,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", choices=("fp32", "bf16") if p is not m2h else ("fp32", "bf16", "fp16"),
                        help="weights' dtype in the output (default: the source's)")
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        p.add_argument("-v", "--verbose", action="store_true",
+                       help="show library warnings (Megatron's 'TransformerEngine not installed' etc.) and info logs")
     for p in (h2m, m2m):
         p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size to check the model against")
         p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size to check against")
@@ -119,7 +122,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     from megatron_rl.models.hf_config import UnsupportedConfigError
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="convert_checkpoint: %(message)s")
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="convert_checkpoint: %(message)s")
+    if not args.verbose:
+        # Megatron and torch.distributed.checkpoint warn about optional kernels and deprecations on
+        # every run; none of it concerns the conversion, and it buries the progress bar.
+        warnings.filterwarnings("ignore")
     try:
         out = run(args)
     except (ConversionError, UnsupportedConfigError, FileNotFoundError) as err:
