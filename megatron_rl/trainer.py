@@ -30,6 +30,7 @@ from .config.schema import RootConfig
 from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.learner import Learner
+from .models.convert import export_hf_checkpoint
 from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner
 from .rewards.shaping import overlong_penalty
@@ -382,8 +383,11 @@ class Trainer:
 
     def save(self, step: int) -> None:
         with self.timeline.span("checkpoint", step=step):
-            save_checkpoint(self.learner, self.run_dir / "checkpoints", step,
-                            {"policy_version": self.version}, keep=self.cfg.trainer.checkpoint_keep)
+            path = save_checkpoint(self.learner, self.run_dir / "checkpoints", step,
+                                   {"policy_version": self.version}, keep=self.cfg.trainer.checkpoint_keep)
+            if self.cfg.trainer.export_hf:
+                export_hf_checkpoint(self.learner.export_hf_weights(), self.cfg.model, self.learner.vocab_size,
+                                     path / "hf", tokenizer_dir=self.run_dir)
 
     def run(self) -> Dict[str, float]:
         try:

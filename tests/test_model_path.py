@@ -76,13 +76,13 @@ def test_tokenizer_larger_than_checkpoint_vocab_is_refused(tmp_path):
 
 def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path):
     """Two training steps from an HF model; the run's checkpoint converts to an HF directory that
-    transformers loads, with the trained (changed) weights."""
+    transformers loads, with the trained (changed) weights; trainer.export_hf writes the same."""
     from megatron_rl.models.convert import megatron_to_hf_checkpoint
     from megatron_rl.trainer import Trainer
 
     save_random_hf_model("qwen3", tmp_path / "hf")
     cfg = load_config("tiny_cpu", [f"model.path={tmp_path / 'hf'}", f"trainer.run_dir={tmp_path / 'run'}",
-                                   "trainer.total_steps=2", "trainer.save_final_checkpoint=true",
+                                   "trainer.total_steps=2", "trainer.save_final_checkpoint=true", "trainer.export_hf=true",
                                    "scheduler.max_staleness=0", *SMALL_RUN])
     trainer = Trainer(cfg)
     trainer.run()
@@ -93,5 +93,9 @@ def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
     state = reloaded.state_dict()
     assert all(torch.equal(state[k], v) for k, v in trained.items())
+    # trainer.export_hf wrote the same weights beside the checkpoint, with the run's tokenizer.
+    exported = transformers.AutoModelForCausalLM.from_pretrained(step / "hf").state_dict()
+    assert all(torch.equal(exported[k], v) for k, v in trained.items())
+    assert (step / "hf" / "tokenizer.json").is_file()
     before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], state["model.layers.0.self_attn.q_proj.weight"])

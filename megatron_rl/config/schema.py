@@ -206,6 +206,8 @@ class TrainerConfig:
     checkpoint_interval: int = 0
     checkpoint_keep: int = 2
     save_final_checkpoint: bool = True
+    # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf).
+    export_hf: bool = False
     log_interval: int = 1
     progress: bool = True
     # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -225,3 +225,18 @@ def megatron_to_megatron_checkpoint(src: Path | str, out: Path | str, dtype: Opt
     copy_tokenizer_files(src, out)
     return out
 
+
+
+def export_hf_checkpoint(tensors: Iterable[Tuple[str, torch.Tensor]], cfg: ModelConfig, vocab_size: int,
+                         out: Path | str, tokenizer_dir: Optional[Path | str] = None) -> Path:
+    """Write HF-named full tensors (e.g. ``Learner.export_hf_weights()``) as an HF directory. A
+    model started from an HF ``model.path`` keeps that config's other keys (token ids, ...). The
+    tokenizer files come from ``tokenizer_dir`` (the run's: the one the model was trained with),
+    else from the HF ``model.path``."""
+    base = read_hf_config(cfg.path) if cfg.path and is_hf_dir(cfg.path) else None
+    out = Path(out)
+    write_hf_checkpoint(out, tensors, hf_config_from_model(cfg, vocab_size, base))
+    source = tokenizer_dir or (cfg.path if base is not None else None)
+    if source is not None:
+        copy_tokenizer_files(source, out)
+    return out
