@@ -164,3 +164,22 @@ def test_cli_error_is_one_line_with_status_2(tmp_path):
     assert done.returncode == 2
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("convert_checkpoint: error: tensor 'model.norm.weight'") and "missing" in last
+
+
+def test_bf16_checkpoint_keeps_its_dtype_both_ways(megatron_world, tmp_path):
+    """A bf16 HF checkpoint becomes a bf16 Megatron checkpoint (dtype from config.json) and comes
+    back bitwise, still bf16."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.convert import hf_to_megatron_checkpoint, megatron_to_hf_checkpoint, read_model_config
+    from megatron_rl.models.hf_checkpoint import HFTensorReader
+
+    model = save_random_hf_model("qwen2", tmp_path / "hf32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "mcore")
+    assert read_model_config(tmp_path / "mcore")[0].dtype == "bf16"
+    megatron_to_hf_checkpoint(tmp_path / "mcore", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    original, back = load_file(str(tmp_path / "hf" / "model.safetensors")), HFTensorReader(tmp_path / "back")
+    assert sorted(back.names()) == sorted(original)
+    assert all(original[k].dtype == torch.bfloat16 and _equal_bits(back.get(k), original[k]) for k in original)
