@@ -22,6 +22,14 @@ FAMILY_CONFIGS: Dict[str, Dict] = {
                       norm_topk_prob=True, mlp_only_layers=[0]),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=40),
+    # MLA with q and kv latents, YaRN RoPE with an mscale on the softmax, sigmoid routing within
+    # 2 of 4 expert groups with a score-correction bias, a shared expert, the first layer dense.
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+                        moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+                        routed_scaling_factor=2.5,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
 
@@ -30,7 +38,7 @@ def hf_config(family: str, **overrides):
 
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
            "qwen3_moe": transformers.Qwen3MoeConfig, "mixtral": transformers.MixtralConfig,
-           "qwen2_moe": transformers.Qwen2MoeConfig}[family]
+           "qwen2_moe": transformers.Qwen2MoeConfig, "deepseek_v3": transformers.DeepseekV3Config}[family]
     return cls(**{**_COMMON, **FAMILY_CONFIGS[family], **overrides})
 
 
@@ -45,6 +53,9 @@ def save_random_hf_model(family: str, path: Path, seed: int = 0, **overrides):
         # families: randomise every tensor so a mix-up of two tensors cannot go unnoticed.
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.ndim == 1 else 0.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's routing bias: saved, starts at 0
+                b.copy_(torch.randn_like(b) * 0.1)
     model.eval().save_pretrained(path)
     return model
 

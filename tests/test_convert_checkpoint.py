@@ -57,7 +57,7 @@ def test_cli_roundtrip_loads_in_transformers(tmp_path):
     assert torch.equal(hf_logits(reloaded, TOKENS), hf_logits(original, TOKENS))
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2", "deepseek_v3"])
 def test_megatron_checkpoint_gives_hf_logits(megatron_world, tmp_path, family):
     """HF -> dist checkpoint -> a model built from model_config.json: same logits as transformers."""
     from megatron_rl.learner.learner import forward_logits

@@ -65,8 +65,9 @@ def _single_rank(path):
     return model
 
 
-@pytest.mark.parametrize("family,tp,pp,ep", [("qwen3", 2, 1, 1), ("llama", 1, 2, 1), ("qwen3_moe", 1, 1, 2)],
-                         ids=["tp2", "pp2", "ep2"])
+@pytest.mark.parametrize("family,tp,pp,ep", [("qwen3", 2, 1, 1), ("llama", 1, 2, 1), ("qwen3_moe", 1, 1, 2),
+                                             ("deepseek_v3", 2, 1, 1), ("deepseek_v3", 1, 1, 2)],
+                         ids=["tp2", "pp2", "ep2", "tp2-deepseek", "ep2-deepseek"])
 def test_reshard_and_back_keeps_logits(megatron_world, tmp_path, family, tp, pp, ep):
     from megatron_rl.learner.learner import forward_logits
     from megatron_rl.models.convert import hf_to_megatron_checkpoint
@@ -95,8 +96,9 @@ def test_reshard_and_back_keeps_logits(megatron_world, tmp_path, family, tp, pp,
     assert all(torch.equal(got[k], want[k]) for k in want if not k.endswith("_extra_state"))
 
 
-@pytest.mark.parametrize("family,tp,pp,ep", [("qwen2", 1, 2, 1), ("qwen2_moe", 2, 1, 1), ("mixtral", 1, 1, 2)],
-                         ids=["pp2-tied", "tp2-moe-shared", "ep2"])
+@pytest.mark.parametrize("family,tp,pp,ep", [("qwen2", 1, 2, 1), ("qwen2_moe", 2, 1, 1), ("mixtral", 1, 1, 2),
+                                             ("deepseek_v3", 2, 1, 1)],
+                         ids=["pp2-tied", "tp2-moe-shared", "ep2", "tp2-deepseek"])
 def test_hf_loads_directly_at_a_sharded_layout(tmp_path, family, tp, pp, ep):
     """model.path=<HF dir> on a multi-rank learner: each rank slices its part straight from the HF
     files (tied output layer on the last stage, expert TP, experts by global index)."""

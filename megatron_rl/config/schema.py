@@ -53,6 +53,28 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     # alltoall | allgather: how tokens travel to experts on other expert-parallel ranks.
     moe_token_dispatcher: str = "alltoall"
+    # Router scores: softmax | sigmoid (DeepSeek-V3: sigmoid, a per-expert bias that only steers the
+    # choice, experts chosen within the best moe_router_group_topk of moe_router_num_groups groups,
+    # weights renormalised then scaled by moe_router_topk_scaling_factor).
+    moe_router_score_function: str = "softmax"
+    moe_router_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    # Multi-head latent attention (DeepSeek-V3), used when kv_lora_rank is set; q_lora_rank None
+    # projects queries directly.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # YaRN RoPE (DeepSeek-V3); yarn_factor None: plain RoPE.
+    yarn_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
 
 @dataclass

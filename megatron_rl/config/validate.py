@@ -18,6 +18,7 @@ ALLOWED = {
     "model.family": FAMILY_NAMES,
     "model.dtype": ("fp32", "bf16"),
     "model.moe_token_dispatcher": ("alltoall", "allgather"),
+    "model.moe_router_score_function": ("softmax", "sigmoid"),
     "rollout.engine": ("embedded",),
     "rollout.placement": ("colocated",),
     "algo.name": ADVANTAGE_ESTIMATORS,

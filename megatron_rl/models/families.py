@@ -20,6 +20,10 @@ class Family:
     # How HF names the routed experts: None (dense), "qwen" (mlp.gate, mlp.experts.E.{gate,up,down}_proj)
     # or "mixtral" (block_sparse_moe.gate, block_sparse_moe.experts.E.{w1,w3,w2}).
     moe_naming: Optional[str] = None
+    # HF module name of the shared expert (Qwen2-MoE: one gated shared_expert; DeepSeek: shared_experts).
+    shared_expert: str = "mlp.shared_expert"
+    # Multi-head latent attention (DeepSeek-V3) instead of grouped-query attention.
+    mla: bool = False
 
 
 FAMILIES: Dict[str, Family] = {
@@ -31,6 +35,9 @@ FAMILIES: Dict[str, Family] = {
         Family("qwen2_moe", "Qwen2MoeForCausalLM", "qwen2_moe", qkv_bias=True, qk_norm=False, moe_naming="qwen"),
         Family("qwen3_moe", "Qwen3MoeForCausalLM", "qwen3_moe", qkv_bias=False, qk_norm=True, moe_naming="qwen"),
         Family("mixtral", "MixtralForCausalLM", "mixtral", qkv_bias=False, qk_norm=False, moe_naming="mixtral"),
+        # qk_norm: MLA's RMSNorms on the compressed q and kv latents.
+        Family("deepseek_v3", "DeepseekV3ForCausalLM", "deepseek_v3", qkv_bias=False, qk_norm=True,
+               moe_naming="qwen", shared_expert="mlp.shared_experts", mla=True),
     )
 }
 

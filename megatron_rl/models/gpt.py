@@ -46,26 +46,55 @@ def moe_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
         # Megatron's "pre-softmax" is softmax over all experts before top-k with no renormalisation;
         # without it the softmax runs over the k chosen logits, which equals renormalised top-k.
         moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
-        moe_router_score_function="softmax",
         moe_layer_freq=list(cfg.moe_layer_pattern) if cfg.moe_layer_pattern is not None else 1,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size or None,
         moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_token_dispatcher_type=cfg.moe_token_dispatcher,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        # Sigmoid routing (DeepSeek) scores in fp32, as the reference implementation does.
+        moe_router_dtype="fp32" if cfg.moe_router_score_function == "sigmoid" else None,
         # Grouped GEMM needs the CUDA grouped_gemm kernels; SequentialMLP (one MLP per local
         # expert) is exact everywhere and keeps one plainly named weight per expert.
         moe_grouped_gemm=False,
     )
 
 
+def mla_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
+    """MLATransformerConfig fields for multi-head latent attention (empty without it)."""
+    if cfg.kv_lora_rank is None:
+        return {}
+    return dict(
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_type="yarn" if cfg.yarn_factor else "rope",
+        rotary_base=cfg.rotary_base,
+        # Also the softmax scale's mscale argument: 1.0 leaves the scale at 1/sqrt(head dim).
+        rotary_scaling_factor=cfg.yarn_factor or 1.0,
+        original_max_position_embeddings=cfg.yarn_original_max_position_embeddings,
+        beta_fast=cfg.yarn_beta_fast,
+        beta_slow=cfg.yarn_beta_slow,
+        mscale=cfg.yarn_mscale,
+        mscale_all_dim=cfg.yarn_mscale_all_dim,
+    )
+
+
 def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_cpu = not cuda_available()
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
     family = get_family(cfg.family)
-    return TransformerConfig(
+    config_class = MLATransformerConfig if cfg.kv_lora_rank is not None else TransformerConfig
+    return config_class(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -99,6 +128,7 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
         # Losses are summed per token; Megatron divides gradients by the global token count.
         calculate_per_token_loss=True,
         **moe_kwargs(cfg),
+        **mla_kwargs(cfg),
     )
 
 
@@ -115,10 +145,14 @@ def decoder_spec(config, use_te: bool):
     (``moe_layer_freq``), sliced to this pipeline stage's layers."""
     from megatron.core.models.gpt import gpt_layer_specs
 
-    if not config.num_moe_experts:
+    if not config.num_moe_experts and not config.multi_latent_attention:
         return layer_spec(use_te, config.qk_layernorm)
-    return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
-                                                      normalization="RMSNorm")
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if config.multi_latent_attention and not use_te:
+        from .mla import use_local_mla_attention
+
+        use_local_mla_attention(spec)
+    return spec
 
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,

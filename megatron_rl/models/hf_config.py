@@ -42,14 +42,18 @@ def hf_family(hf: Dict[str, Any]) -> Family:
         raise UnsupportedConfigError(str(err)) from None
 
 
-def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[float]]:
-    """(rope theta, Llama-3 scaling factor or None) from either config spelling."""
+def _rope_params(hf: Dict[str, Any]) -> Dict[str, Any]:
     params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
-    params = {**scaling, **params}
+    return {**scaling, **params}
+
+
+def _rope(hf: Dict[str, Any], allow_yarn: bool = False) -> Tuple[float, Optional[float]]:
+    """(rope theta, Llama-3 scaling factor or None) from either config spelling."""
+    params = _rope_params(hf)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type == "default":
+    if rope_type == "default" or (rope_type == "yarn" and allow_yarn):
         return float(theta), None
     if rope_type == "llama3":
         for key, want in _LLAMA3_ROPE_FIXED.items():
@@ -57,7 +61,8 @@ def _rope(hf: Dict[str, Any]) -> Tuple[float, Optional[float]]:
                 raise UnsupportedConfigError(f"rope_parameters.{key}={params[key]} is not supported "
                                              f"(Megatron's Llama-3 RoPE scaling fixes it at {want})")
         return float(theta), float(params["factor"])
-    raise UnsupportedConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported (default, llama3)")
+    raise UnsupportedConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported "
+                                 f"(default, llama3{', yarn' if allow_yarn else ''})")
 
 
 def _refuse(hf: Dict[str, Any], key: str, ok: Any, why: str) -> None:
@@ -72,6 +77,47 @@ def _moe_pattern(hf: Dict[str, Any], layers: int) -> Optional[List[int]]:
     step = int(hf.get("decoder_sparse_step", 1) or 1)
     pattern = [0 if (i in only or (i + 1) % step) else 1 for i in range(layers)]
     return None if all(pattern) else pattern
+
+
+def _deepseek(hf: Dict[str, Any], cfg: ModelConfig) -> None:
+    """DeepSeek-V3: multi-head latent attention, YaRN RoPE, sigmoid group-limited routing with an
+    expert bias and a scaling factor, shared experts, the first layers dense."""
+    if not hf.get("rope_interleave", True):
+        raise UnsupportedConfigError("config.json rope_interleave=false is not supported: Megatron's MLA applies "
+                                     "RoPE to interleaved pairs")
+    if not hf.get("norm_topk_prob", True):
+        raise UnsupportedConfigError("config.json norm_topk_prob=false is not supported: Megatron's sigmoid "
+                                     "router always renormalises the top-k weights")
+    _refuse(hf, "scoring_func", "sigmoid", "DeepSeek-V3 routing is sigmoid")
+    cfg.q_lora_rank = int(hf["q_lora_rank"]) if hf.get("q_lora_rank") else None
+    cfg.kv_lora_rank = int(hf["kv_lora_rank"])
+    cfg.qk_nope_head_dim = int(hf["qk_nope_head_dim"])
+    cfg.qk_rope_head_dim = int(hf["qk_rope_head_dim"])
+    cfg.v_head_dim = int(hf["v_head_dim"])
+    cfg.head_dim = None
+    rope = _rope_params(hf)
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        cfg.yarn_factor = float(rope["factor"])
+        cfg.yarn_original_max_position_embeddings = int(rope.get("original_max_position_embeddings", 4096))
+        cfg.yarn_beta_fast = float(rope.get("beta_fast", 32))
+        cfg.yarn_beta_slow = float(rope.get("beta_slow", 1))
+        cfg.yarn_mscale = float(rope.get("mscale", 1))
+        cfg.yarn_mscale_all_dim = float(rope.get("mscale_all_dim", 0))
+    cfg.num_experts = int(hf["n_routed_experts"])
+    cfg.moe_router_topk = int(hf["num_experts_per_tok"])
+    cfg.moe_ffn_hidden_size = int(hf["moe_intermediate_size"])
+    cfg.moe_norm_topk_prob = True
+    dense = int(hf.get("first_k_dense_replace", 0))
+    step = int(hf.get("moe_layer_freq", 1) or 1)
+    pattern = [0 if (i < dense or i % step) else 1 for i in range(cfg.num_layers)]
+    cfg.moe_layer_pattern = None if all(pattern) else pattern
+    cfg.moe_shared_expert_ffn_hidden_size = int(hf.get("n_shared_experts") or 0) * cfg.moe_ffn_hidden_size
+    cfg.moe_shared_expert_gate = False
+    cfg.moe_router_score_function = "sigmoid"
+    cfg.moe_router_expert_bias = True
+    cfg.moe_router_num_groups = int(hf.get("n_group") or 1)
+    cfg.moe_router_group_topk = int(hf.get("topk_group") or 1)
+    cfg.moe_router_topk_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
 
 
 def model_config_from_hf(hf: Dict[str, Any], dtype: str = "fp32") -> Tuple[ModelConfig, int]:
@@ -89,7 +135,7 @@ def model_config_from_hf(hf: Dict[str, Any], dtype: str = "fp32") -> Tuple[Model
                                      f"{family.architecture} (q/k/v biases: {family.qkv_bias})")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedConfigError(f"config.json partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
-    theta, rope_factor = _rope(hf)
+    theta, rope_factor = _rope(hf, allow_yarn=family.mla)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim")
@@ -109,7 +155,9 @@ def model_config_from_hf(hf: Dict[str, Any], dtype: str = "fp32") -> Tuple[Model
         init_method_std=float(hf.get("initializer_range", 0.02)),
         dtype=dtype,
     )
-    if family.moe_naming:
+    if family.mla:
+        _deepseek(hf, cfg)
+    elif family.moe_naming:
         experts = hf.get("num_experts", hf.get("num_local_experts"))
         cfg.num_experts = int(experts)
         cfg.moe_router_topk = int(hf["num_experts_per_tok"])
@@ -160,7 +208,9 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, base: Optional[Dict[
         out["qkv_bias"] = True
     else:
         out["attention_bias"] = family.qkv_bias
-    if family.moe_naming:
+    if family.mla:
+        _deepseek_out(cfg, out)
+    elif family.moe_naming:
         pattern = cfg.moe_layer_pattern or [1] * cfg.num_layers
         out.update(num_experts_per_tok=cfg.moe_router_topk,
                    norm_topk_prob=cfg.moe_norm_topk_prob)
@@ -174,3 +224,25 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, base: Optional[Dict[
         if family.name == "qwen2_moe":
             out["shared_expert_intermediate_size"] = cfg.moe_shared_expert_ffn_hidden_size
     return out
+
+
+def _deepseek_out(cfg: ModelConfig, out: Dict[str, Any]) -> None:
+    """The DeepSeek-V3 keys of ``hf_config_from_model``."""
+    if cfg.yarn_factor:
+        out["rope_parameters"] = {"rope_theta": cfg.rotary_base, "rope_type": "yarn", "factor": cfg.yarn_factor,
+                                  "original_max_position_embeddings": cfg.yarn_original_max_position_embeddings,
+                                  "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+                                  "mscale": cfg.yarn_mscale, "mscale_all_dim": cfg.yarn_mscale_all_dim}
+    pattern = cfg.moe_layer_pattern or [1] * cfg.num_layers
+    dense = pattern.index(1) if 1 in pattern else cfg.num_layers
+    if any(pattern[dense:]) and not all(pattern[dense:]):
+        raise UnsupportedConfigError("DeepSeek-V3 has dense layers only before the first MoE layer")
+    shared = cfg.moe_shared_expert_ffn_hidden_size // (cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size)
+    out.update(q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+               qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+               qk_head_dim=cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, head_dim=cfg.qk_rope_head_dim,
+               rope_interleave=True, n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+               moe_intermediate_size=cfg.moe_ffn_hidden_size, first_k_dense_replace=dense, moe_layer_freq=1,
+               n_shared_experts=shared, n_group=cfg.moe_router_num_groups, topk_group=cfg.moe_router_group_topk,
+               routed_scaling_factor=cfg.moe_router_topk_scaling_factor, norm_topk_prob=True, scoring_func="sigmoid",
+               topk_method="noaux_tc")

@@ -35,13 +35,18 @@ _DIRECT = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
     "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight",
 }
-# Megatron suffix -> HF (gate, up) suffixes of a fused gated-MLP input projection.
-_FC1 = {
-    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.shared_experts.linear_fc1.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+# Multi-head latent attention (DeepSeek-V3): one to one, same row layouts in both.
+_MLA = {
+    "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
+    "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+    "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+    "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+    "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+    "mlp.router.expert_bias": "mlp.gate.e_score_correction_bias",
 }
 _TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -86,14 +91,22 @@ def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: ModelConfig
 
 def _layer_rule(suffix: str, cfg: ModelConfig) -> Tuple[str, Tuple[str, ...]]:
     """(kind, HF suffixes) for one per-layer Megatron suffix; kind is 'same', 'qkv' or 'fc1'."""
+    family = get_family(cfg.family)
+    if family.mla and suffix in _MLA:
+        return "same", (_MLA[suffix],)
     if suffix in _DIRECT:
         return "same", (_DIRECT[suffix],)
-    if suffix in _FC1:
-        return "fc1", _FC1[suffix]
+    if suffix == "mlp.linear_fc1.weight":
+        return "fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+    shared = family.shared_expert
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        return "fc1", (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
+    if suffix == "mlp.shared_experts.linear_fc2.weight":
+        return "same", (f"{shared}.down_proj.weight",)
     if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
         kind = suffix.rsplit(".", 1)[1]
         return "qkv", tuple(f"self_attn.{p}.{kind}" for p in ("q_proj", "k_proj", "v_proj"))
-    naming = get_family(cfg.family).moe_naming
+    naming = family.moe_naming
     if naming is not None:
         router, gate, up, down = _MOE_HF[naming]
         if suffix == "mlp.router.weight":
@@ -119,8 +132,9 @@ def _rule(name: str, cfg: ModelConfig) -> Tuple[str, Tuple[str, ...]]:
 
 
 def is_weight(name: str, cfg: ModelConfig) -> bool:
-    """False for Megatron entries that carry no HF tensor: ``_extra_state``, a tied output layer."""
-    if name.endswith("_extra_state"):
+    """False for Megatron entries that carry no HF tensor: ``_extra_state``, a tied output layer,
+    the router's token counters (bookkeeping for the expert-bias update)."""
+    if name.endswith("_extra_state") or name.endswith("local_tokens_per_expert"):
         return False
     return not (name == "output_layer.weight" and cfg.tie_word_embeddings)
 
