@@ -74,28 +74,37 @@ def test_tokenizer_larger_than_checkpoint_vocab_is_refused(tmp_path):
         vocab_size_for(cfg.model, 100)
 
 
-def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path):
-    """Two training steps from an HF model; the run's checkpoint converts to an HF directory that
-    transformers loads, with the trained (changed) weights; trainer.export_hf writes the same."""
+@pytest.mark.parametrize("family", ["qwen3", "deepseek_v3"])
+def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path, family):
+    """Two training steps from an HF model (engine and learner agreeing on logprobs); the run's
+    checkpoint converts to an HF directory holding the trained (changed) weights, which
+    transformers loads and runs with the trained learner's logits; trainer.export_hf writes the same."""
+    import json
+
     from megatron_rl.models.convert import megatron_to_hf_checkpoint
+    from megatron_rl.models.hf_checkpoint import HFTensorReader
     from megatron_rl.trainer import Trainer
 
-    save_random_hf_model("qwen3", tmp_path / "hf")
+    save_random_hf_model(family, tmp_path / "hf")
     cfg = load_config("tiny_cpu", [f"model.path={tmp_path / 'hf'}", f"trainer.run_dir={tmp_path / 'run'}",
                                    "trainer.total_steps=2", "trainer.save_final_checkpoint=true", "trainer.export_hf=true",
                                    "scheduler.max_staleness=0", *SMALL_RUN])
     trainer = Trainer(cfg)
     trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train/behav_logprob_gap"] < 1e-5 for r in rows)
     trained = dict(trainer.learner.export_hf_weights())
     step = tmp_path / "run" / "checkpoints" / "step_2"
-    assert step.is_dir()
     megatron_to_hf_checkpoint(step, tmp_path / "export")
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
-    state = reloaded.state_dict()
-    assert all(torch.equal(state[k], v) for k, v in trained.items())
     # trainer.export_hf wrote the same weights beside the checkpoint, with the run's tokenizer.
-    exported = transformers.AutoModelForCausalLM.from_pretrained(step / "hf").state_dict()
-    assert all(torch.equal(exported[k], v) for k, v in trained.items())
+    for directory in (tmp_path / "export", step / "hf"):
+        written = HFTensorReader(directory)
+        assert sorted(written.names()) == sorted(trained)
+        assert all(torch.equal(written.get(k), v) for k, v in trained.items())
     assert (step / "hf" / "tokenizer.json").is_file()
-    before = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    assert not torch.equal(before["model.layers.0.self_attn.q_proj.weight"], state["model.layers.0.self_attn.q_proj.weight"])
+    original = HFTensorReader(tmp_path / "hf")
+    assert not torch.equal(original.get("model.layers.0.self_attn.o_proj.weight"),
+                           trained["model.layers.0.self_attn.o_proj.weight"])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    gap = (hf_logits(reloaded, TOKENS) - _learner_logits(trainer.learner)).abs().max().item()
+    assert gap <= 1e-4
