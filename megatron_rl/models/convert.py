@@ -113,7 +113,8 @@ def load_megatron_weights(model: torch.nn.Module, path: Path | str) -> None:
 def _build_full(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:
     from .gpt import build_gpt_model
 
-    return build_gpt_model(cfg, vocab_size).eval()
+    # No random init: the conversion overwrites every weight (a missing one is an error).
+    return build_gpt_model(cfg, vocab_size, initialize=False).eval()
 
 
 def _single_rank() -> bool:

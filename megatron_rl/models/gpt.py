@@ -87,7 +87,7 @@ def mla_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
     )
 
 
-def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
+def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, initialize: bool = True):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_cpu = not cuda_available()
@@ -118,6 +118,9 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
         expert_model_parallel_size=ep,
         pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu,
+        # Off when every weight is about to be loaded (conversion): random init of a large model
+        # on CPU takes minutes and its values are overwritten anyway.
+        perform_initialization=initialize,
         # Fusions need CUDA kernels; the unfused paths are exact and run anywhere.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -156,7 +159,7 @@ def decoder_spec(config, use_te: bool):
 
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
-                    pre_process: bool = True, post_process: bool = True, ep: int = 1):
+                    pre_process: bool = True, post_process: bool = True, ep: int = 1, initialize: bool = True):
     """A GPTModel on this machine's device; parallel_state must already be initialised."""
     from megatron.core.models.gpt import GPTModel
 
@@ -164,7 +167,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     make_thread_safe()
     use_te = te_available()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
-    config = transformer_config(cfg, tp, pp, ep)
+    config = transformer_config(cfg, tp, pp, ep, initialize)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, use_te),
