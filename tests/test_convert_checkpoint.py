@@ -183,3 +183,21 @@ def test_bf16_checkpoint_keeps_its_dtype_both_ways(megatron_world, tmp_path):
     original, back = load_file(str(tmp_path / "hf" / "model.safetensors")), HFTensorReader(tmp_path / "back")
     assert sorted(back.names()) == sorted(original)
     assert all(original[k].dtype == torch.bfloat16 and _equal_bits(back.get(k), original[k]) for k in original)
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.family=mixtral", "model.num_experts=4"]], ids=["llama", "mixtral"])
+def test_random_init_learner_exports_to_transformers(megatron_world, tmp_path, overrides):
+    """A model trained from scratch (no HF config to start from) exports a config.json of its own
+    that transformers builds the same model from."""
+    from megatron_rl.config import load_config
+    from megatron_rl.learner.learner import Learner, forward_logits
+    from megatron_rl.models.convert import export_hf_checkpoint
+
+    cfg = load_config("tiny_cpu", overrides)
+    learner = Learner(cfg, 96)
+    export_hf_checkpoint(learner.export_hf_weights(), cfg.model, 96, tmp_path / "hf")
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = TOKENS[:, :16]
+    with torch.no_grad():
+        ours = forward_logits(learner.module.eval(), tokens)
+    assert (hf_logits(reloaded, tokens) - ours).abs().max().item() <= 1e-4

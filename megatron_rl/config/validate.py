@@ -6,7 +6,7 @@ from typing import Any, Iterable
 
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES
-from ..models.families import FAMILY_NAMES
+from ..models.families import FAMILY_NAMES, get_family
 from .schema import RootConfig
 
 
@@ -107,6 +107,15 @@ def validate(cfg: RootConfig) -> RootConfig:
     if m.num_experts < 0 or (m.num_experts and not 0 < m.moe_router_topk <= m.num_experts):
         raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts="
                           f"{m.num_experts}] (model.num_experts=0 builds a dense model)")
+    family = get_family(m.family)
+    if family.moe_naming and not m.num_experts:
+        raise ConfigError(f"model.family={m.family} is a mixture of experts: set model.num_experts (e.g. 8)")
+    if m.num_experts and not family.moe_naming:
+        raise ConfigError(f"model.num_experts={m.num_experts} needs an MoE family (mixtral, qwen2_moe, qwen3_moe, "
+                          f"deepseek_v3): model.family={m.family} has no Hugging Face layout for experts")
+    if family.mla and m.kv_lora_rank is None:
+        raise ConfigError("model.family=deepseek_v3 uses multi-head latent attention: set model.kv_lora_rank "
+                          "(and q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), or use model.path")
     if m.moe_layer_pattern is not None and len(m.moe_layer_pattern) != m.num_layers:
         raise ConfigError(f"model.moe_layer_pattern has {len(m.moe_layer_pattern)} entries; it needs one "
                           f"per layer (model.num_layers={m.num_layers})")
