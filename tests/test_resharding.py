@@ -110,3 +110,37 @@ def test_hf_loads_directly_at_a_sharded_layout(tmp_path, family, tp, pp, ep):
     assert outputs
     for logits in outputs:
         assert (logits - reference).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("family,layout", [("qwen3_moe", ("--ep", "2")), ("deepseek_v3", ("--pp", "2"))],
+                         ids=["ep2", "pp2-deepseek"])
+def test_cli_converts_under_torchrun_one_shard_per_rank(megatron_world, tmp_path, family, layout):
+    """``torchrun --nproc-per-node 2 convert_checkpoint.py hf-to-megatron ... --ep 2``: each rank
+    fills its own shard from the HF files; the checkpoint loads on one rank with transformers'
+    logits and exports back bitwise."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from megatron_rl.learner.learner import forward_logits
+    from megatron_rl.models.hf_checkpoint import full_state, hf_tensors
+
+    hf_model = save_random_hf_model(family, tmp_path / "hf")
+    tool = Path(__file__).resolve().parents[1] / "tools" / "convert_checkpoint.py"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(tool), "hf-to-megatron", str(tmp_path / "hf"), str(tmp_path / "mcore"), *layout,
+                           "--no-progress"], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+    model = _single_rank(tmp_path / "mcore")
+    with torch.no_grad():
+        assert (forward_logits(model, TOKENS) - hf_logits(hf_model, TOKENS)).abs().max().item() <= 1e-4
+    from megatron_rl.models.convert import pretrained_model_config
+
+    cfg, _ = pretrained_model_config(tmp_path / "mcore", "fp32")
+    original = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    back = dict(hf_tensors(full_state(model).items(), cfg))
+    assert sorted(back) == sorted(original)
+    assert all(torch.equal(back[k], original[k]) for k in original)

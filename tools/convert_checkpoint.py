@@ -8,7 +8,11 @@
     python tools/convert_checkpoint.py megatron-to-megatron runs/x/checkpoints/step_700 /ckpt/x-mcore --dtype bf16
 
 A Megatron dist checkpoint stores global tensors, so the one written here loads at any TP/PP/EP
-layout the model divides into; --tp/--pp/--ep check that layout before anything is written.
+layout the model divides into; --tp/--pp/--ep check that layout before anything is written. A
+model too large for one process converts under torchrun, each rank reading only its shard:
+
+    torchrun --nproc-per-node 8 tools/convert_checkpoint.py hf-to-megatron /ckpt/big /ckpt/big-mcore --tp 2 --ep 4
+
 Tensors are streamed: the converter holds the model once plus one layer / one output shard.
 Errors (unknown architecture, missing tensor, shape mismatch, unusable dtype) print one line
 naming the tensor and exit with status 2.
@@ -92,20 +96,29 @@ class _Bar:
             self.progress.advance(self.task, n)
 
 
-def _init_single_rank() -> None:
+def _init_parallel(args: argparse.Namespace) -> bool:
+    """One process: a one-rank Megatron state. Under torchrun (hf-to-megatron only): the state at
+    --tp/--pp/--ep, whose product must be the world size. Returns whether this rank shows progress."""
     from megatron_rl.learner.parallel import init_model_parallel
+    from megatron_rl.models.hf_checkpoint import ConversionError
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise SystemExit("convert_checkpoint: error: run in one process; the checkpoint it writes loads "
-                         "at any layout (use --tp/--pp/--ep to check one)")
-    init_model_parallel(1, 1, 1, seed=0)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        init_model_parallel(1, 1, 1, seed=0)
+        return True
+    layout = (getattr(args, "tp", 1), getattr(args, "pp", 1), getattr(args, "ep", 1))
+    if args.direction != "hf-to-megatron" or layout[0] * layout[1] * layout[2] != world:
+        raise ConversionError(f"under torchrun only hf-to-megatron runs, with --tp x --pp x --ep = WORLD_SIZE "
+                              f"({world}); got {args.direction} at tp/pp/ep={layout}")
+    init_model_parallel(*layout, seed=0)
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def run(args: argparse.Namespace) -> Path:
     from megatron_rl.models import convert
 
-    _init_single_rank()
-    with _Bar(args.direction, not args.no_progress and sys.stderr.isatty()) as bar:
+    show = _init_parallel(args)
+    with _Bar(args.direction, show and not args.no_progress and sys.stderr.isatty()) as bar:
         if args.direction == "hf-to-megatron":
             return convert.hf_to_megatron_checkpoint(args.src, args.out, args.dtype, (args.tp, args.pp, args.ep),
                                                      progress=bar.advance, total=bar.total)

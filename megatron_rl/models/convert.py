@@ -156,8 +156,13 @@ def hf_to_megatron_checkpoint(src: Path | str, out: Path | str, dtype: Optional[
                               layout: Tuple[int, int, int] = (1, 1, 1), progress: Progress = None,
                               total: Optional[Callable[[int], None]] = None) -> Path:
     """HF directory -> Megatron dist checkpoint (+ model_config.json, tokenizer files).
-    Needs a one-rank Megatron parallel state. ``layout`` is checked, not baked in: the
-    checkpoint loads at any layout the model divides into."""
+
+    In one process (Megatron parallel state at tp=pp=ep=1) the whole model is built and
+    ``layout`` is only checked. Under torchrun, with the parallel state initialised at
+    ``layout``, each rank builds and fills only its shard from the HF files, so no process
+    holds the whole model (the way to convert models larger than one machine's memory).
+    Either way the checkpoint loads at any layout the model divides into."""
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     hf = read_hf_config(src)
@@ -166,18 +171,36 @@ def hf_to_megatron_checkpoint(src: Path | str, out: Path | str, dtype: Optional[
         raise ConversionError("fp16 Megatron models are not built here; use --dtype bf16 or fp32")
     cfg, vocab = model_config_from_hf(hf, dtype=dtype)
     check_layout(cfg, vocab, *layout)
-    reader = HFTensorReader(src)
-    model = _build_full(cfg, vocab)
-    if total:
-        total(len(full_state(model)))
-    load_hf_weights(model, reader, cfg, progress)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise ConversionError(f"output directory {out} is not empty")
+    reader = HFTensorReader(src)
+    if _single_rank():
+        model = _build_full(cfg, vocab)
+        if total:
+            total(len(full_state(model)))
+        load_hf_weights(model, reader, cfg, progress)
+    else:
+        from megatron.core import parallel_state
+
+        from .gpt import build_gpt_model
+        from .hf_sharded import load_hf_weights_sharded
+
+        tp, pp, ep = layout
+        # Only the first pipeline stage embeds, only the last has the output layer.
+        model = build_gpt_model(cfg, vocab, tp=tp, pp=pp, ep=ep, initialize=False,
+                                pre_process=parallel_state.is_pipeline_first_stage(),
+                                post_process=parallel_state.is_pipeline_last_stage()).eval()
+        load_hf_weights_sharded(model, reader, cfg)
+    if dist.is_initialized():
+        dist.barrier()  # every rank has checked the output directory before anything is written
     dist_checkpointing.save({"model": model.sharded_state_dict()}, str(out))
-    write_model_config(out, cfg, vocab, hf)
-    copy_tokenizer_files(src, out)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_model_config(out, cfg, vocab, hf)
+        copy_tokenizer_files(src, out)
+    if dist.is_initialized():
+        dist.barrier()
     return out
 
 
