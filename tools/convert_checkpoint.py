@@ -27,7 +27,7 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMG]?B)?$", re.IGNORECASE)
 _UNITS = {None: 1, "B": 1, "KB": 2**10, "MB": 2**20, "GB": 2**30}

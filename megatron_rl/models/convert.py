@@ -90,7 +90,9 @@ def read_model_config(path: Path | str) -> Tuple[ModelConfig, int, Optional[Dict
 
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), OmegaConf.load(run_config))
         cfg = OmegaConf.to_object(merged).model
-        return cfg, _vocab_from_metadata(path), None
+        # A run started from an HF model.path: its config.json keeps the keys we do not model.
+        base = read_hf_config(cfg.path) if cfg.path and is_hf_dir(cfg.path) else None
+        return cfg, _vocab_from_metadata(path), base
     raise ConversionError(f"{path} has neither {MODEL_CONFIG} nor a run's config.yaml two levels up: "
                           "cannot tell the model's shape")
 
