@@ -123,6 +123,10 @@ def _deepseek(hf: Dict[str, Any], cfg: ModelConfig) -> None:
 def model_config_from_hf(hf: Dict[str, Any], dtype: str = "fp32") -> Tuple[ModelConfig, int]:
     """(ModelConfig, vocab size) equivalent to an HF ``config.json`` dict."""
     family = hf_family(hf)
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise UnsupportedConfigError(f"config.json quantization_config (quant_method={method!r}) is not supported: "
+                                     "dequantize the checkpoint to bf16 first")
     _refuse(hf, "hidden_act", "silu", "only SwiGLU MLPs (silu) are built")
     _refuse(hf, "mlp_bias", False, "MLP biases are not built")
     _refuse(hf, "use_sliding_window", False, "sliding-window attention is not built")
