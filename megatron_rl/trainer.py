@@ -33,7 +33,8 @@ from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.critic import Critic, assign_gae_advantages
 from .learner.learner import Learner
-from .models.gpt import padded_vocab_size
+from .models.convert import export_hf_checkpoint
+from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner
 from .rewards.shaping import overlong_penalty
 from .rollout.embedded import EmbeddedEngine, EngineProcess
@@ -117,7 +118,7 @@ class Trainer:
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        vocab = padded_vocab_size(self.tokenizer.vocab_size, cfg.learner.tp)
+        vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
         self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
         # PPO with GAE: a value model with the policy's layout, starting from its weights.
         self.critic = (Critic(cfg, vocab, self.tokenizer.pad_id, self.learner.module)
@@ -369,8 +370,12 @@ class Trainer:
             "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
         }
         with self.timeline.span("checkpoint", step=step):
-            return save_checkpoint(self.learner, self.run_dir / "checkpoints", step, state,
-                            keep=self.cfg.trainer.checkpoint_keep, critic=self.critic)
+            path = save_checkpoint(self.learner, self.run_dir / "checkpoints", step, state,
+                                   keep=self.cfg.trainer.checkpoint_keep, critic=self.critic)
+            if self.cfg.trainer.export_hf:
+                export_hf_checkpoint(self.learner.export_hf_weights(), self.cfg.model, self.learner.vocab_size,
+                                     path / "hf", tokenizer_dir=self.run_dir)
+            return path
 
     # ------------------------------------------------------------------ the run
     async def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],

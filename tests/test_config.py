@@ -33,7 +33,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("rollout.engines=4", "rollout.engines=4 is not available yet"),
         ("learner.dp=2", "learner.dp=2 is not available yet"),
         ("data.distinct_digits=true data.digits=0123 data.max_digits=5", "exceeds the 4 distinct symbols"),
-        ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not available yet"),
+        ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not a directory"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
         ("learner.min_lr=0.5", "learner.min_lr=0.5 must be <= learner.lr"),
         ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),
@@ -45,6 +45,13 @@ def test_tiny_cpu_loads_and_overrides():
         ("critic.lr=0", "critic.lr=0.0 must be > 0 (or null to use learner.lr)"),
         ("critic.value_clip=-1", "critic.value_clip=-1.0 must be >= 0"),
         ("reward.overlong_buffer=8", "reward.overlong_buffer=8 exceeds rollout.max_new_tokens=7"),
+        ("model.family=mixtral model.num_experts=4 model.moe_router_topk=5",
+         "model.moe_router_topk=5 must be in [1, model.num_experts=4]"),
+        ("model.family=qwen3_moe model.num_experts=4 model.moe_layer_pattern=[1]", "model.moe_layer_pattern has 1 entries"),
+        ("model.family=qwen3_moe", "model.family=qwen3_moe is a mixture of experts: set model.num_experts"),
+        ("model.num_experts=4", "model.num_experts=4 needs an MoE family"),
+        ("model.family=deepseek_v3 model.num_experts=4", "set model.kv_lora_rank"),
+        ("model.moe_token_dispatcher=flex", "model.moe_token_dispatcher='flex' is not allowed"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

@@ -33,6 +33,12 @@ def to_dataclass(cfg: DictConfig) -> RootConfig:
     except ValidationError as err:
         raise ConfigError(f"{err.full_key}: {err.msg.splitlines()[0]}") from None
     assert isinstance(obj, RootConfig)
+    from ..models.pretrained import resolve_model_config
+
+    try:  # model.path: the checkpoint's architecture replaces the recipe's model sizes
+        obj.model = resolve_model_config(obj.model)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     return validate(obj)
 
 

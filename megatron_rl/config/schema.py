@@ -7,12 +7,14 @@ Validation of values lives in ``validate.py`` so that these stay plain data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
 class ModelConfig:
-    # llama: RMSNorm + SwiGLU + RoPE, no biases; qwen2: the same plus q/k/v biases.
+    # llama: RMSNorm + SwiGLU + RoPE, no biases; qwen2: the same plus q/k/v biases; qwen3: per-head
+    # q/k RMSNorm, no biases; qwen2_moe, qwen3_moe, mixtral: their MoE counterparts (set num_experts).
+    # With model.path, family and sizes come from the checkpoint's config.json.
     family: str = "llama"
     # Hugging Face or Megatron checkpoint to start from; None builds a random-init model.
     path: Optional[str] = None
@@ -22,12 +24,57 @@ class ModelConfig:
     num_query_groups: int = 2
     ffn_hidden_size: int = 128
     max_position_embeddings: int = 64
+    # Size of one attention head; None: hidden_size / num_attention_heads (Qwen3 sets it apart).
+    head_dim: Optional[int] = None
     rotary_base: float = 10000.0
+    # Llama 3.x RoPE frequency scaling factor (low/high frequency factors 1/4, original context 8192);
+    # None: plain RoPE.
+    rope_scaling_factor: Optional[float] = None
     norm_epsilon: float = 1e-6
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02
     # fp32 | bf16
     dtype: str = "fp32"
+    # Mixture of experts: 0 keeps a dense MLP in every layer.
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    # Hidden size of one routed expert; None uses ffn_hidden_size (Mixtral).
+    moe_ffn_hidden_size: Optional[int] = None
+    # true: softmax over the chosen top-k logits, i.e. weights renormalised to sum to 1 (Mixtral,
+    # Qwen3-MoE with norm_topk_prob); false: softmax over all experts, then top-k (Qwen2-MoE).
+    moe_norm_topk_prob: bool = True
+    # One entry per layer, 1 = MoE, 0 = dense MLP of ffn_hidden_size; None: every layer is MoE.
+    moe_layer_pattern: Optional[List[int]] = None
+    # Always-on shared expert of this hidden size beside the routed ones (Qwen2-MoE); 0 = none.
+    moe_shared_expert_ffn_hidden_size: int = 0
+    # Scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE's shared_expert_gate).
+    moe_shared_expert_gate: bool = False
+    # Load-balancing auxiliary loss coefficient; 0 trains without it.
+    moe_aux_loss_coeff: float = 0.0
+    # alltoall | allgather: how tokens travel to experts on other expert-parallel ranks.
+    moe_token_dispatcher: str = "alltoall"
+    # Router scores: softmax | sigmoid (DeepSeek-V3: sigmoid, a per-expert bias that only steers the
+    # choice, experts chosen within the best moe_router_group_topk of moe_router_num_groups groups,
+    # weights renormalised then scaled by moe_router_topk_scaling_factor).
+    moe_router_score_function: str = "softmax"
+    moe_router_expert_bias: bool = False
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_topk_scaling_factor: Optional[float] = None
+    # Multi-head latent attention (DeepSeek-V3), used when kv_lora_rank is set; q_lora_rank None
+    # projects queries directly.
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: Optional[int] = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # YaRN RoPE (DeepSeek-V3); yarn_factor None: plain RoPE.
+    yarn_factor: Optional[float] = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
 
 
 @dataclass
@@ -202,6 +249,8 @@ class TrainerConfig:
     # one is skipped with a warning). Give the same trainer.run_dir to pick a run up again.
     resume: bool = True
     save_final_checkpoint: bool = True
+    # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf).
+    export_hf: bool = False
     log_interval: int = 1
     progress: bool = True
     # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the

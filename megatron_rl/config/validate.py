@@ -6,6 +6,7 @@ from typing import Any, Iterable
 
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES
+from ..models.families import FAMILY_NAMES, get_family
 from .schema import RootConfig
 
 
@@ -14,8 +15,10 @@ class ConfigError(ValueError):
 
 
 ALLOWED = {
-    "model.family": ("llama", "qwen2"),
+    "model.family": FAMILY_NAMES,
     "model.dtype": ("fp32", "bf16"),
+    "model.moe_token_dispatcher": ("alltoall", "allgather"),
+    "model.moe_router_score_function": ("softmax", "sigmoid"),
     "rollout.engine": ("embedded",),
     "rollout.placement": ("colocated",),
     "algo.name": ADVANTAGE_ESTIMATORS + ("gae",),
@@ -91,7 +94,7 @@ def validate(cfg: RootConfig) -> RootConfig:
         strict=False,
     )
     m = cfg.model
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} must be divisible by "
             f"model.num_attention_heads={m.num_attention_heads}"
@@ -101,6 +104,21 @@ def validate(cfg: RootConfig) -> RootConfig:
             f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
             f"model.num_query_groups={m.num_query_groups}"
         )
+    if m.num_experts < 0 or (m.num_experts and not 0 < m.moe_router_topk <= m.num_experts):
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts="
+                          f"{m.num_experts}] (model.num_experts=0 builds a dense model)")
+    family = get_family(m.family)
+    if family.moe_naming and not m.num_experts:
+        raise ConfigError(f"model.family={m.family} is a mixture of experts: set model.num_experts (e.g. 8)")
+    if m.num_experts and not family.moe_naming:
+        raise ConfigError(f"model.num_experts={m.num_experts} needs an MoE family (mixtral, qwen2_moe, qwen3_moe, "
+                          f"deepseek_v3): model.family={m.family} has no Hugging Face layout for experts")
+    if family.mla and m.kv_lora_rank is None:
+        raise ConfigError("model.family=deepseek_v3 uses multi-head latent attention: set model.kv_lora_rank "
+                          "(and q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), or use model.path")
+    if m.moe_layer_pattern is not None and len(m.moe_layer_pattern) != m.num_layers:
+        raise ConfigError(f"model.moe_layer_pattern has {len(m.moe_layer_pattern)} entries; it needs one "
+                          f"per layer (model.num_layers={m.num_layers})")
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
     if cfg.algo.group_size < 2:
@@ -152,12 +170,6 @@ def validate(cfg: RootConfig) -> RootConfig:
         raise ConfigError(
             f"data.max_prompt_tokens + rollout.max_new_tokens = {needed} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
-        )
-    if m.path is not None:
-        raise ConfigError(
-            f"model.path={m.path!r} is not available yet: loading Hugging Face or Megatron "
-            "checkpoints arrives with checkpoint conversion (issue 5); leave model.path unset "
-            "to start from random weights"
         )
     for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
                 "rollout.engines"):

@@ -18,6 +18,7 @@ from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss, gspo_lo
 from ..config.schema import RootConfig
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
+from ..models.pretrained import load_pretrained
 from ..types import Trajectory
 from .batch import MicroBatch, response_values
 from .logprobs import token_entropy, token_logprobs
@@ -47,6 +48,8 @@ class Learner:
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
         model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+        if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
+            load_pretrained(model, cfg.model, cfg.model.path)
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", lc.lr)
         self.ref_model: Optional[torch.nn.Module] = None
         if cfg.algo.kl_coef > 0:

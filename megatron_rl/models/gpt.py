@@ -1,4 +1,4 @@
-"""Build a Megatron-core GPTModel (llama / qwen2 style) from our ModelConfig.
+"""Build a Megatron-core GPTModel (llama, qwen2, qwen3 and their MoE forms) from our ModelConfig.
 
 The learner and the embedded rollout engine both build their model here, so their forwards are the
 same code and their logprobs agree.
@@ -7,19 +7,17 @@ same code and their logprobs agree.
 from __future__ import annotations
 
 import logging
+from typing import Any, Dict
 
 import torch
 import torch.nn.functional as F
 
 from ..config.schema import ModelConfig
 from .cpu_patches import apply_cpu_patches, cuda_available
+from .families import get_family
 from .thread_safety import make_thread_safe
 
 logger = logging.getLogger(__name__)
-
-# Families whose attention projections carry biases (q/k/v only).
-_QKV_BIAS = {"llama": False, "qwen2": True}
-
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 8) -> int:
     """Megatron shards the vocabulary over TP ranks: pad it to a multiple of ``multiple * tp``."""
@@ -37,24 +35,79 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def moe_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
+    """TransformerConfig fields for a mixture-of-experts model (empty for a dense one)."""
+    if not cfg.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        # Megatron's "pre-softmax" is softmax over all experts before top-k with no renormalisation;
+        # without it the softmax runs over the k chosen logits, which equals renormalised top-k.
+        moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+        moe_layer_freq=list(cfg.moe_layer_pattern) if cfg.moe_layer_pattern is not None else 1,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher,
+        moe_router_score_function=cfg.moe_router_score_function,
+        moe_router_enable_expert_bias=cfg.moe_router_expert_bias,
+        moe_router_num_groups=cfg.moe_router_num_groups,
+        moe_router_group_topk=cfg.moe_router_group_topk,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
+        # Sigmoid routing (DeepSeek) scores in fp32, as the reference implementation does.
+        moe_router_dtype="fp32" if cfg.moe_router_score_function == "sigmoid" else None,
+        # Grouped GEMM needs the CUDA grouped_gemm kernels; SequentialMLP (one MLP per local
+        # expert) is exact everywhere and keeps one plainly named weight per expert.
+        moe_grouped_gemm=False,
+    )
+
+
+def mla_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
+    """MLATransformerConfig fields for multi-head latent attention (empty without it)."""
+    if cfg.kv_lora_rank is None:
+        return {}
+    return dict(
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        rope_type="yarn" if cfg.yarn_factor else "rope",
+        rotary_base=cfg.rotary_base,
+        # Also the softmax scale's mscale argument: 1.0 leaves the scale at 1/sqrt(head dim).
+        rotary_scaling_factor=cfg.yarn_factor or 1.0,
+        original_max_position_embeddings=cfg.yarn_original_max_position_embeddings,
+        beta_fast=cfg.yarn_beta_fast,
+        beta_slow=cfg.yarn_beta_slow,
+        mscale=cfg.yarn_mscale,
+        mscale_all_dim=cfg.yarn_mscale_all_dim,
+    )
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, initialize: bool = True):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_cpu = not cuda_available()
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
-    return TransformerConfig(
+    family = get_family(cfg.family)
+    config_class = MLATransformerConfig if cfg.kv_lora_rank is not None else TransformerConfig
+    return config_class(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
-        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        kv_channels=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=_QKV_BIAS[cfg.family],
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -62,8 +115,12 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
         bf16=cfg.dtype == "bf16",
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu,
+        # Off when every weight is about to be loaded (conversion): random init of a large model
+        # on CPU takes minutes and its values are overwritten anyway.
+        perform_initialization=initialize,
         # Fusions need CUDA kernels; the unfused paths are exact and run anywhere.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
@@ -73,19 +130,36 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
         batch_p2p_sync=not on_cpu,
         # Losses are summed per token; Megatron divides gradients by the global token count.
         calculate_per_token_loss=True,
+        **moe_kwargs(cfg),
+        **mla_kwargs(cfg),
     )
 
 
-def layer_spec(use_te: bool):
+def layer_spec(use_te: bool, qk_layernorm: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+
+
+def decoder_spec(config, use_te: bool):
+    """The layer spec for a dense model; for MoE, a block spec with a dense or MoE spec per layer
+    (``moe_layer_freq``), sliced to this pipeline stage's layers."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not config.num_moe_experts and not config.multi_latent_attention:
+        return layer_spec(use_te, config.qk_layernorm)
+    spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+    if config.multi_latent_attention and not use_te:
+        from .mla import use_local_mla_attention
+
+        use_local_mla_attention(spec)
+    return spec
 
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
-                    pre_process: bool = True, post_process: bool = True):
+                    pre_process: bool = True, post_process: bool = True, ep: int = 1, initialize: bool = True):
     """A GPTModel on this machine's device; parallel_state must already be initialised."""
     from megatron.core.models.gpt import GPTModel
 
@@ -93,9 +167,10 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     make_thread_safe()
     use_te = te_available()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
+    config = transformer_config(cfg, tp, pp, ep, initialize)
     model = GPTModel(
-        config=transformer_config(cfg, tp, pp),
-        transformer_layer_spec=layer_spec(use_te),
+        config=config,
+        transformer_layer_spec=decoder_spec(config, use_te),
         vocab_size=vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -103,6 +178,9 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rotary_base),
+        # Megatron's rope_scaling is Llama 3's frequency scaling (hf_config checks its constants).
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
     if cuda_available():
         model = model.cuda(torch.cuda.current_device())

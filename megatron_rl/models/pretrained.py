@@ -1,0 +1,45 @@
+"""``model.path``: start training from a Hugging Face directory or a Megatron dist checkpoint.
+
+The checkpoint decides the architecture: family and sizes are read from its config.json (or the
+Megatron checkpoint's model_config.json), replacing whatever the recipe said; only ``model.dtype``
+(and the path) stay the user's. The vocabulary is the checkpoint's, so the embedding shapes match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ..config.schema import ModelConfig
+from .convert import load_pretrained, pretrained_model_config
+from .gpt import padded_vocab_size
+from .hf_checkpoint import ConversionError
+from .hf_config import UnsupportedConfigError
+
+__all__ = ["load_pretrained", "resolve_model_config", "vocab_size_for"]
+
+
+def resolve_model_config(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with the checkpoint's architecture when ``cfg.path`` is set; ``cfg`` otherwise.
+    Raises ValueError with a one-line message naming model.path."""
+    if cfg.path is None:
+        return cfg
+    if not Path(cfg.path).is_dir():
+        raise ValueError(f"model.path={cfg.path!r} is not a directory")
+    try:
+        loaded, _ = pretrained_model_config(cfg.path, cfg.dtype)
+    except (ConversionError, UnsupportedConfigError) as err:
+        raise ValueError(f"model.path={cfg.path!r}: {err}") from None
+    return dataclasses.replace(loaded, path=cfg.path, dtype=cfg.dtype)
+
+
+def vocab_size_for(cfg: ModelConfig, tokenizer_vocab: int, tp: int = 1) -> int:
+    """The model's vocabulary: the checkpoint's with ``model.path`` (it must cover the tokenizer's
+    ids), otherwise the tokenizer's padded for TP."""
+    if cfg.path is None:
+        return padded_vocab_size(tokenizer_vocab, tp)
+    _, vocab = pretrained_model_config(cfg.path, cfg.dtype)
+    if tokenizer_vocab > vocab:
+        raise ValueError(f"the tokenizer has {tokenizer_vocab} ids but model.path={cfg.path!r} has a "
+                         f"vocabulary of {vocab}: use the checkpoint's tokenizer")
+    return vocab
