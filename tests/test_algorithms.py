@@ -198,3 +198,31 @@ def test_kl_shaped_reward_by_hand():
     # k3 = e^(ref-lp) - 1 - (ref-lp): e^-0.5 - 0.5 and e^1 - 2.
     k3 = (math.exp(-0.5) - 1 + 0.5) + (math.exp(1.0) - 1 - 1.0)
     assert kl_shaped_reward(1.0, lp, ref, 0.1, "k3") == pytest.approx(1.0 - 0.1 * k3)
+
+
+def test_decoupled_sequence_level_weight_against_reference():
+    """weight_level=sequence: every token of a response carries min(Π_t π_prox/π_behav, cap),
+    the product over the response's own (masked) tokens."""
+    import math
+
+    from megatron_rl.algorithms.policy_loss import decoupled_ppo_loss
+
+    gen = torch.Generator().manual_seed(3)
+    new = -torch.rand(3, 4, generator=gen, dtype=torch.float64)
+    prox = new + 0.05 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    behav = prox + 0.4 * torch.randn(3, 4, generator=gen, dtype=torch.float64)
+    adv = torch.tensor([[1.0] * 4, [-0.5] * 4, [2.0] * 4], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float64)
+    cap = 1.5
+    loss, stats = decoupled_ppo_loss(new, prox, behav, adv, mask, 0.2, 0.2, behaviour_weight_cap=cap,
+                                     weight_level="sequence")
+    for i in range(3):
+        log_w = sum(float(prox[i, t] - behav[i, t]) for t in range(4) if mask[i, t])
+        w = min(math.exp(log_w), cap)
+        for t in range(4):
+            r = math.exp(float(new[i, t] - prox[i, t]))
+            a = float(adv[i, t])
+            ref = -w * min(r * a, min(max(r, 0.8), 1.2) * a) if mask[i, t] else 0.0
+            assert float(loss[i, t]) == pytest.approx(ref, abs=1e-12)
+    with pytest.raises(ValueError, match="token or sequence"):
+        decoupled_ppo_loss(new, prox, behav, adv, mask, weight_level="group")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -39,6 +40,7 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
                        behaviour_logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                        clip_low: float = 0.2, clip_high: float = 0.2,
                        behaviour_weight_cap: float = 0.0, dual_clip: float = 0.0,
+                       weight_level: str = "token",
                        ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """Decoupled PPO for off-policy (stale) samples (Fu et al. 2025, AReaL; Hilton et al. 2022).
 
@@ -46,17 +48,30 @@ def decoupled_ppo_loss(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor,
     update) instead of the behaviour policy π_behav that sampled the tokens:
       r = π_θ / π_prox,  w = π_prox / π_behav,
       loss_t = -w · min(r·A, clip(r, 1-clip_low, 1+clip_high)·A).
-    Tokens whose w exceeds ``behaviour_weight_cap`` (> 0) are left out of the loss (counted in
-    ``capped_tokens``), as AReaL does, rather than clipped. With π_behav = π_prox this is PPO.
+    ``weight_level="token"``: w per token; tokens whose w exceeds ``behaviour_weight_cap`` (> 0) are
+    left out of the loss (counted in ``capped_tokens``), as AReaL does. ``"sequence"``: w is the
+    whole response's ratio Π_t π_prox/π_behav (rows are sequences), truncated at the cap (> 0) and
+    shared by its tokens: it also corrects for the prefixes (states) the stale policy visited, which
+    per-token ratios ignore. With π_behav = π_prox this is PPO.
     """
-    log_w = (proximal_logprobs - behaviour_logprobs).detach()
-    weight = torch.exp(log_w)
+    log_w = (proximal_logprobs - behaviour_logprobs).detach() * mask
     keep = mask
-    if behaviour_weight_cap > 0:
-        keep = mask * (weight <= behaviour_weight_cap).to(mask.dtype)
+    if weight_level == "sequence":
+        log_w_seq = log_w.sum(dim=1, keepdim=True)
+        if behaviour_weight_cap > 0:
+            log_w_seq = log_w_seq.clamp(max=math.log(behaviour_weight_cap))
+        weight = torch.exp(log_w_seq).expand_as(log_w)
+        capped = (mask * (log_w.sum(dim=1, keepdim=True) > log_w_seq).to(mask.dtype))
+    elif weight_level == "token":
+        weight = torch.exp(log_w)
+        if behaviour_weight_cap > 0:
+            keep = mask * (weight <= behaviour_weight_cap).to(mask.dtype)
+        capped = mask - keep
+    else:
+        raise ValueError(f"unknown importance weight level {weight_level!r}; choose token or sequence")
     loss, stats = ppo_clip_loss(logprobs, proximal_logprobs, advantages, keep, clip_low, clip_high, dual_clip)
     with torch.no_grad():
-        stats["capped_tokens"] = (mask - keep).sum()
+        stats["capped_tokens"] = capped.sum()
         stats["behav_weight_sum"] = (weight * mask).sum()
     return loss * weight, stats
 

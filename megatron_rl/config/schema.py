@@ -167,6 +167,10 @@ class AlgoConfig:
     filter_max_batches: int = 20
     # Tokens with π_prox/π_behav above this are left out of the loss (0 disables the cap).
     behav_imp_weight_cap: float = 5.0
+    # decoupled loss: importance weight π_prox/π_behav per token (tokens above the cap dropped) or
+    # per sequence (the response's product of ratios, truncated at the cap; corrects for the
+    # prefixes a stale policy visited).
+    behav_weight_level: str = "token"
     # token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm (Dr.GRPO:
     # token sums over a constant, rollout.max_new_tokens).
     loss_agg_mode: str = "token-mean"

@@ -24,6 +24,7 @@ ALLOWED = {
     "algo.name": ADVANTAGE_ESTIMATORS + ("gae",),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": ("decoupled", "ppo", "gspo"),
+    "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "scheduler.mode": ("async", "sync"),

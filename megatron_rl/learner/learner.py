@@ -145,7 +145,8 @@ class Learner:
         old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
         if algo.policy_loss == "decoupled":
             loss, stats = decoupled_ppo_loss(logprobs, old, mb.behav_logprobs, mb.advantages, mask, algo.clip_low,
-                                             algo.clip_high, algo.behav_imp_weight_cap, algo.dual_clip)
+                                             algo.clip_high, algo.behav_imp_weight_cap, algo.dual_clip,
+                                             algo.behav_weight_level)
         elif algo.policy_loss == "gspo":
             loss, stats = gspo_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high)
         else:
