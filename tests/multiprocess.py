@@ -1,0 +1,152 @@
+"""Run one function on N gloo ranks from a pytest test, and hand each rank's return value back.
+
+    from multiprocess import run_ranks
+    results = run_ranks(my_fn, world_size=2, args=(cfg,), timeout_s=120)   # [rank0, rank1]
+
+``my_fn`` must be picklable (a module-level function): ranks are *spawned* (fresh interpreters, as
+torchrun would start them), so nothing of the test process's torch state leaks in. Each rank
+gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), one
+intra-op thread, and an initialised default process group (gloo) before ``my_fn`` runs.
+
+Failure modes are turned into one clear test failure each:
+- a rank raises: ``RankFailed`` carrying that rank's formatted traceback (the first failing
+  rank's; the others are killed, since their peers are gone and they would only hang);
+- a rank dies without reporting (segfault, os._exit): ``RankFailed`` with its exit code;
+- the ranks do not all finish within ``timeout_s`` (a collective waiting for a peer that never
+  comes): ``RankTimeout`` naming the ranks that had not finished; every rank is killed.
+The rendezvous port is chosen at run time; if another process takes it before rank 0 binds it,
+the whole launch is retried on a new port.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as std_mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+__all__ = ["run_ranks", "RankFailed", "RankTimeout", "free_port"]
+
+
+class RankFailed(AssertionError):
+    """A rank raised or died; the message holds its traceback (or exit code)."""
+
+
+class RankTimeout(AssertionError):
+    """Not every rank finished in time; all ranks were killed."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
+               env: Dict[str, str], timeout_s: float, results: "std_mp.Queue") -> None:
+    """Body of one spawned rank: set up the torchrun-like environment, run ``fn``, report."""
+    os.environ.update(env)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        # The collective timeout matches the harness's, so a rank blocked on a dead peer errors
+        # out on its own too (the parent kills it regardless).
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        value = fn(*args)
+        # Pickled here with the plain pickler: tensors travel as bytes, so the result stays
+        # valid after this process exits (torch's shared-memory queue handles would not).
+        payload = pickle.dumps(value)
+        results.put(("ok", rank, payload))
+    except BaseException:  # noqa: BLE001 - everything, including SystemExit, is reported
+        results.put(("error", rank, traceback.format_exc()))
+        return
+    try:
+        import megatron.core.parallel_state as ps  # only if the function used it
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    except ImportError:
+        pass
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown after a reported result must not mask it
+        pass
+
+
+def _port_in_use(text: str) -> bool:
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 300.0,
+              env: Optional[Dict[str, str]] = None, port_retries: int = 3) -> List[Any]:
+    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; return the values by rank.
+
+    Raises ``RankFailed`` (a rank's traceback) or ``RankTimeout`` (after ``timeout_s`` seconds,
+    all ranks killed)."""
+    for attempt in range(port_retries):
+        try:
+            return _launch(fn, world_size, args, timeout_s, dict(env or {}))
+        except RankFailed as err:
+            if attempt + 1 < port_retries and _port_in_use(str(err)):
+                continue  # the port went to someone else between choosing and binding it
+            raise
+    raise AssertionError("unreachable")
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeout_s: float,
+            env: Dict[str, str]) -> List[Any]:
+    ctx = std_mp.get_context("spawn")
+    results: "std_mp.Queue" = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
+                         args=(rank, world_size, port, fn, args, env, timeout_s, results))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    values: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(world_size) if r not in values]
+                raise RankTimeout(f"{getattr(fn, '__name__', fn)} on {world_size} ranks: ranks {missing} did "
+                                  f"not finish within {timeout_s:.0f} s (hang?); all ranks killed")
+            try:
+                kind, rank, payload = results.get(timeout=min(left, 0.5))
+            except queue_mod.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs)
+                        if r not in values and p.exitcode is not None]
+                if dead:
+                    # Give a result that was put just before exiting a moment to arrive.
+                    try:
+                        kind, rank, payload = results.get(timeout=2.0)
+                    except queue_mod.Empty:
+                        r, code = dead[0]
+                        raise RankFailed(f"rank {r} of {world_size} died with exit code {code} "
+                                         f"without reporting a result") from None
+                else:
+                    continue
+            if kind == "error":
+                raise RankFailed(f"rank {rank} of {world_size} raised:\n{payload}")
+            values[rank] = pickle.loads(payload)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10 if len(values) == world_size else 0.1)
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        results.close()
+    return [values[r] for r in range(world_size)]
