@@ -27,6 +27,7 @@ import queue as queue_mod
 import socket
 import time
 import traceback
+import warnings
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -55,6 +56,9 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # The same filters as pytest.ini: library warnings repeated by every rank drown the report.
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
     try:
         import torch
         import torch.distributed as dist

@@ -22,6 +22,7 @@ from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
 from ..types import Trajectory
 from .batch import MicroBatch, build_micro_batches, response_values
+from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas
 from .logprobs import token_entropy, token_logprobs
 from .parallel import init_model_parallel
 
@@ -99,7 +100,8 @@ class Learner:
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
-        mbs = self._micro_batches(trajs)
+        local = local_share(trajs)  # this data-parallel replica's slice; gathered below
+        mbs = self._micro_batches(local)
         outputs = get_forward_backward_func()(
             forward_step_func=partial(self._forward_step, temperature=temperature),
             data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
@@ -107,9 +109,9 @@ class Learner:
             forward_only=True, collect_non_loss_data=True,
         )
         result: Dict[int, List[float]] = {}
-        for mb, logprobs in zip(mbs, outputs):
-            result.update(response_values(mb, logprobs.cpu(), trajs))
-        return [result[i] for i in range(len(trajs))]
+        for mb, logprobs in zip(mbs, outputs):  # empty except on the last pipeline stage
+            result.update(response_values(mb, logprobs.cpu(), local))
+        return gather_shares(from_last_stage([result.get(i) for i in range(len(local))]))
 
     def fill_logprobs(self, trajs: Sequence[Trajectory], temperature: float, reference: bool = False) -> None:
         """Set each trajectory's proximal (or reference) logprobs unless a caller already did
@@ -171,7 +173,7 @@ class Learner:
     def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = self._micro_batches(trajs)
+        mbs = self._micro_batches(local_share(trajs))
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = get_forward_backward_func()(
@@ -184,9 +186,10 @@ class Learner:
             logger.warning("optimizer step skipped (non-finite gradients)")
         self.optimizer_steps += 1
         stats: Dict[str, float] = {}
-        for out in outputs:
+        for out in outputs:  # loss statistics exist on the last pipeline stage only
             for k, v in out.items():
                 stats[k] = stats.get(k, 0.0) + float(v)
+        stats = sum_over_replicas(from_last_stage(stats))
         return stats, float(grad_norm) if grad_norm is not None else float("nan")
 
     def _loss_step(self, data_iterator, model, temperature: float):
