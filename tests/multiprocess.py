@@ -13,13 +13,15 @@ Failure modes are turned into one clear test failure each:
   rank's; the others are killed, since their peers are gone and they would only hang);
 - a rank dies without reporting (segfault, os._exit): ``RankFailed`` with its exit code;
 - the ranks do not all finish within ``timeout_s`` (a collective waiting for a peer that never
-  comes): ``RankTimeout`` naming the ranks that had not finished; every rank is killed.
+  comes): ``RankTimeout`` naming the ranks that had not finished; every rank is killed, and a
+  few seconds before that each prints its threads' stacks to stderr (where it hangs).
 The rendezvous port is chosen at run time; if another process takes it before rank 0 binds it,
 the whole launch is retried on a new port.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as std_mp
 import os
 import pickle
@@ -59,6 +61,8 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
     # The same filters as pytest.ini: library warnings repeated by every rank drown the report.
     for category in (UserWarning, DeprecationWarning, FutureWarning):
         warnings.filterwarnings("ignore", category=category)
+    # A hang is killed by the parent; shortly before, every rank prints where its threads are.
+    faulthandler.dump_traceback_later(max(timeout_s - 3.0, 1.0), exit=False)
     try:
         import torch
         import torch.distributed as dist
@@ -68,6 +72,7 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
         # out on its own too (the parent kills it regardless).
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         value = fn(*args)
+        faulthandler.cancel_dump_traceback_later()
         # Pickled here with the plain pickler: tensors travel as bytes, so the result stays
         # valid after this process exits (torch's shared-memory queue handles would not).
         payload = pickle.dumps(value)

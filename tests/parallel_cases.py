@@ -64,3 +64,60 @@ def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Tra
         "metrics": metrics,
         "weights": full_state(learner.module),
     }
+
+
+def sync_case(cfg: RootConfig, num_learner_ranks: int, bucket_bytes: int) -> Dict[str, Any]:
+    """A world of learners (ranks [0, L)) and one embedded engine (rank L): the learner trains a
+    step, sends version 1 over the weight-sync groups, the engine loads it and generates, and the
+    learner scores the engine's tokens. Returns per rank what it saw."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from megatron_rl.launch.groups import init_split_parallel_state
+    from megatron_rl.weights.sync import build_sync_groups, receive_weights, send_weights, sync_topology
+
+    world = dist.get_world_size()
+    lc = cfg.learner
+    role = init_split_parallel_state(num_learner_ranks, lc.tp, lc.pp, seed=cfg.trainer.seed)
+    groups = build_sync_groups(sync_topology(num_learner_ranks, lc.tp, lc.pp, lc.cp, range(num_learner_ranks, world)))
+    engine_rank = num_learner_ranks
+    out: Dict[str, Any] = {"role": role}
+    if role == "learner":
+        from megatron_rl.learner.learner import Learner
+        from megatron_rl.weights.reshard import full_state
+
+        learner = Learner(cfg, VOCAB)
+        learner.train_step(copy.deepcopy(batch()), 1.0, lr=1e-2)  # weights that differ from any init
+        stats = send_weights(learner.module, cfg.model, groups, version=1, bucket_bytes=bucket_bytes)
+        out["send"] = None if stats is None else (stats.bytes, stats.buckets, stats.seconds)
+        out["stage_state"] = full_state(learner.module)
+        box = [None]
+        dist.broadcast_object_list(box, src=engine_rank, group=dist.group.WORLD)  # the engine's trajectories
+        trajs = box[0]
+        out["learner_logprobs"] = learner.compute_logprobs(trajs, 1.0)
+        out["engine_logprobs"] = [t.logprobs for t in trajs]
+        out["versions"] = sorted({v for t in trajs for v in t.versions})
+    else:
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+        from megatron_rl.types import SamplingParams
+
+        version, tensors, stats = receive_weights(groups)
+        out["received"] = (version, len(tensors), stats.bytes, stats.buckets)
+
+        async def generate():
+            from engine_helpers import generate_all
+
+            engine = EmbeddedEngine(cfg.model, VOCAB, seed=3)
+            await engine.pause()
+            await engine.update_weights(tensors.items(), version=version)
+            await engine.resume()
+            prompts = [[(7 * i + j) % 40 + 1 for j in range(2 + 3 * i)] for i in range(6)]
+            trajs = await generate_all(engine, prompts, SamplingParams(max_new_tokens=12))
+            state = {k: v.clone() for k, v in engine.model.state_dict().items() if isinstance(v, torch.Tensor)}
+            await engine.shutdown()
+            return trajs, state
+
+        trajs, out["engine_state"] = asyncio.run(generate())
+        dist.broadcast_object_list([trajs], src=engine_rank, group=dist.group.WORLD)
+    return out
