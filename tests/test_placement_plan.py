@@ -73,3 +73,19 @@ def test_engines_never_straddle_nodes():
     # 4 learners on node 0, then engines of 4: the first would take ranks 4-7 across nodes of 6.
     with pytest.raises(PlacementError, match="engine 0 \\(ranks 4-7\\) would span two nodes of 6"):
         plan_placement(12, 6, Layout(engines=2, engine_tp=4, engine_kind="vllm"))
+
+
+def test_dry_run_command_prints_the_plan_and_rejects_with_status_2():
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "megatron_rl.launch", "--dry-run", "--world-size", "8", "--gpus-per-node", "4"]
+    ok = subprocess.run(base + ["learner.tp=2", "learner.pp=2", "rollout.engines=4",
+                                "rollout.placement=disaggregated"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "learner tp=2 pp=2" in ok.stdout and "weight-sync groups: stage 0: [0, 4, 5, 6, 7]" in ok.stdout
+    bad = subprocess.run(base + ["learner.tp=2", "rollout.engines=7", "rollout.placement=disaggregated"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("megatron_rl.launch: error: cannot place this job on 8 ranks")
+    assert "what would fit" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

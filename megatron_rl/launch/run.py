@@ -1,0 +1,252 @@
+"""One RL job over a split torchrun world (disaggregated placement): Megatron learner ranks and
+embedded-engine ranks, weights pushed over the weight-sync groups after every step.
+
+Rank 0 (a learner rank) drives: it draws prompts, shares them out over the engines, scores the
+returned samples, computes advantages, and hands the batch to every learner rank, which then
+train together (each data-parallel replica on its slice) and send the new weights. The loop is
+synchronous (generate, train, sync; η = 0). Control messages are small Python objects sent with
+``torch.distributed``'s object collectives over the whole world; weights go through
+``weights.sync`` as flat byte buckets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from itertools import islice
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config.schema import RootConfig
+from ..types import SamplingParams, Trajectory
+from .groups import init_split_parallel_state
+from .plan import Plan
+
+logger = logging.getLogger(__name__)
+
+DRIVER = 0
+
+
+def _send(obj, dst: int) -> None:
+    dist.send_object_list([obj], dst=dst, group=dist.group.WORLD)
+
+
+def _recv(src: int):
+    box = [None]
+    dist.recv_object_list(box, src=src, group=dist.group.WORLD)
+    return box[0]
+
+
+def _sampling(cfg: RootConfig, eos_id: int) -> SamplingParams:
+    r = cfg.rollout
+    return SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens, stop_token_ids=(eos_id,), stream=False)
+
+
+def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
+    """Every rank of the world calls this; rank 0 returns the last step's metrics."""
+    from ..data.build import build_data
+    from ..models.gpt import padded_vocab_size
+    from ..weights.sync import SyncTopology, build_sync_groups
+
+    if plan.layout.placement != "disaggregated":
+        raise NotImplementedError("the split world runs disaggregated placement; colocated placement on more "
+                                  "than one rank is not implemented yet (one rank: python -m megatron_rl.main)")
+    lc = cfg.learner
+    role = init_split_parallel_state(len(plan.learner_ranks), lc.tp, lc.pp, lc.ep, lc.cp,
+                                     engine_tp=cfg.rollout.tp, seed=cfg.trainer.seed)
+    groups = build_sync_groups(SyncTopology(plan.sync_sources, plan.engine_ranks))
+    tokenizer, prompts = build_data(cfg)
+    vocab = padded_vocab_size(tokenizer.vocab_size, lc.tp)
+    if role == "engine":
+        info = plan.ranks[dist.get_rank()]
+        _serve_engine(cfg, vocab, groups, engine_index=info.engine or 0)
+        return None
+    from ..learner.learner import Learner
+
+    learner = Learner(cfg, vocab, pad_id=tokenizer.pad_id)
+    if dist.get_rank() == DRIVER:
+        return _Driver(cfg, plan, learner, groups, tokenizer, prompts).run()
+    _follow(cfg, learner, groups)
+    return None
+
+
+# ---------------------------------------------------------------------------- engine ranks
+def _serve_engine(cfg: RootConfig, vocab: int, groups, engine_index: int) -> None:
+    from ..rollout.embedded import EmbeddedEngine
+    from ..rollout.workflow import single_turn
+    from ..weights.sync import receive_weights
+
+    loop = asyncio.new_event_loop()
+    # Each engine samples with its own stream of random numbers.
+    engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index)
+
+    def load() -> None:
+        version, tensors, stats = receive_weights(groups)
+
+        async def swap():
+            await engine.pause()
+            await engine.update_weights(tensors.items(), version)
+            await engine.resume()
+
+        loop.run_until_complete(swap())
+        logger.debug("engine %d: weights v%d, %.1f MB in %.3f s", engine_index, version, stats.bytes / 1e6, stats.seconds)
+
+    async def generate(work: List[Tuple[object, int]], params: SamplingParams, step: int) -> List[List[Trajectory]]:
+        jobs = [single_turn(engine, prompt, i, params, f"s{step}-{prompt.uid}-{i}") for prompt, n in work for i in range(n)]
+        flat = await asyncio.gather(*jobs)
+        out, k = [], 0
+        for _, n in work:
+            out.append(list(flat[k : k + n]))
+            k += n
+        return out
+
+    load()  # the learner's initial weights
+    while True:
+        msg = _recv(DRIVER)
+        if msg[0] == "stop":
+            break
+        _, step, work, params = msg
+        before = engine.stats.compute_s
+        groups_out = loop.run_until_complete(generate(work, params, step))
+        _send((groups_out, engine.stats.compute_s - before), DRIVER)
+        load()
+    loop.run_until_complete(engine.shutdown())
+    loop.close()
+
+
+# ---------------------------------------------------------------------------- learner ranks
+def _train_and_sync(cfg: RootConfig, learner, groups, trajs: Sequence[Trajectory], lr: float, version: int):
+    from ..weights.sync import send_weights
+
+    metrics = learner.train_step(trajs, cfg.rollout.temperature, lr)
+    stats = send_weights(learner.module, cfg.model, groups, version)
+    return metrics, stats
+
+
+def _follow(cfg: RootConfig, learner, groups) -> None:
+    from ..weights.sync import send_weights
+
+    send_weights(learner.module, cfg.model, groups, version=0)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=DRIVER)  # the learner group (the redirected default)
+        if box[0][0] == "stop":
+            break
+        _, trajs, lr, version = box[0]
+        _train_and_sync(cfg, learner, groups, trajs, lr, version)
+
+
+class _Driver:
+    def __init__(self, cfg: RootConfig, plan: Plan, learner, groups, tokenizer, prompts):
+        from ..rewards import REWARDS, RewardRunner
+        from ..telemetry.metrics import MetricsWriter, Timeline
+        from ..telemetry.run_dir import make_run_dir, setup_logging
+
+        self.cfg, self.plan, self.learner, self.groups = cfg, plan, learner, groups
+        self.tokenizer, self.prompts = tokenizer, iter(prompts)
+        self.run_dir = make_run_dir(cfg)
+        setup_logging(self.run_dir / "logs" / "train.log")
+        tokenizer.save(self.run_dir / "tokenizer.json")
+        self.metrics = MetricsWriter(self.run_dir)
+        self.timeline = Timeline(self.run_dir / "timeline.jsonl")
+        self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
+                                    name=f"reward {cfg.reward.name}")
+        self.params = _sampling(cfg, tokenizer.eos_id)
+        self.engine_heads = [g[0] for g in plan.engine_groups]
+        self.loop = asyncio.new_event_loop()
+        logger.info("split world:\n%s", plan.table())
+
+    def run(self) -> Dict[str, float]:
+        from ..trainer import lr_at
+        from ..weights.sync import send_weights
+
+        cfg = self.cfg
+        send_weights(self.learner.module, cfg.model, self.groups, version=0)
+        metrics: Dict[str, float] = {}
+        try:
+            for step in range(1, cfg.trainer.total_steps + 1):
+                t0 = time.perf_counter()
+                prompts = list(islice(self.prompts, cfg.algo.groups_per_batch))
+                with self.timeline.span("generate", step=step):
+                    groups, engine_s = self._generate(prompts, step)
+                t1 = time.perf_counter()
+                with self.timeline.span("reward", step=step):
+                    self.loop.run_until_complete(self._score(prompts, groups))
+                self._advantages(groups)
+                flat = [t for g in groups for t in g]
+                metrics = self._batch_metrics(flat)
+                lr = lr_at(cfg, step)
+                t2 = time.perf_counter()
+                with self.timeline.span("train", step=step):
+                    dist.broadcast_object_list([("train", flat, lr, step)], src=DRIVER)
+                    train_metrics, sync = _train_and_sync(cfg, self.learner, self.groups, flat, lr, step)
+                t3 = time.perf_counter()
+                metrics.update(train_metrics)
+                generated = sum(len(t.response_ids) for t in flat)
+                metrics.update({
+                    "time/generate_s": t1 - t0, "time/train_and_sync_s": t3 - t2, "time/step_s": t3 - t0,
+                    "time/engine_compute_s_max": max(engine_s), "perf/generate_tokens_per_s": generated / (t1 - t0),
+                    "sync/seconds": sync.seconds if sync else float("nan"),
+                    "sync/gb_per_s": sync.gb_per_s if sync else float("nan"),
+                    "sync/bytes": float(sync.bytes) if sync else 0.0, "policy/version": float(step),
+                })
+                self.metrics.write(step, metrics)
+                if step == 1 or step % cfg.trainer.log_interval == 0:
+                    logger.info("step %d: reward %.3f, loss %.4f, %.2f s", step, metrics["reward/mean"],
+                                metrics["train/loss"], t3 - t0)
+        finally:
+            for head in self.engine_heads:
+                _send(("stop",), head)
+            dist.broadcast_object_list([("stop",)], src=DRIVER)
+            self.metrics.close()
+            self.timeline.close()
+            self.rewards.close()
+            self.loop.close()
+        return metrics
+
+    def _generate(self, prompts, step: int) -> Tuple[List[List[Trajectory]], List[float]]:
+        g = self.cfg.algo.group_size
+        n = len(self.engine_heads)
+        shares = [[(p, g) for p in prompts[e::n]] for e in range(n)]  # round robin over engines
+        for head, share in zip(self.engine_heads, shares):
+            _send(("generate", step, share, self.params), head)
+        replies = [_recv(head) for head in self.engine_heads]
+        groups: List[Optional[List[Trajectory]]] = [None] * len(prompts)
+        for e, (out, _) in enumerate(replies):
+            for j, group in enumerate(out):
+                groups[e + j * n] = group
+        return groups, [seconds for _, seconds in replies]  # type: ignore[return-value]
+
+    async def _score(self, prompts, groups: List[List[Trajectory]]) -> None:
+        from ..rewards.shaping import overlong_penalty
+
+        rc, max_new = self.cfg.reward, self.cfg.rollout.max_new_tokens
+        jobs = [self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target)
+                for p, grp in zip(prompts, groups) for t in grp]
+        scores = iter(await asyncio.gather(*jobs))
+        for grp in groups:
+            for t in grp:
+                t.reward = next(scores) + overlong_penalty(len(t.response_ids), max_new, rc.overlong_buffer,
+                                                           rc.overlong_penalty)
+
+    def _advantages(self, groups: List[List[Trajectory]]) -> None:
+        from ..algorithms import compute_advantages
+
+        a = self.cfg.algo
+        rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
+        lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
+        adv = compute_advantages(a.name, rewards, lengths, a.adv_eps, a.normalize_adv_by_std)
+        for grp, row in zip(groups, adv.tolist()):
+            for t, value in zip(grp, row):
+                t.advantage = value
+
+    @staticmethod
+    def _batch_metrics(flat: Sequence[Trajectory]) -> Dict[str, float]:
+        rewards = np.array([t.reward for t in flat])
+        lengths = np.array([len(t.response_ids) for t in flat])
+        return {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+                "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max())}
