@@ -42,6 +42,9 @@ def test_tiny_cpu_loads_and_overrides():
         ("algo.kl_in_reward=true", "algo.kl_in_reward=true needs algo.kl_coef > 0"),
         ("algo.filter_groups=true scheduler.mode=sync scheduler.max_staleness=0", "needs scheduler.mode=async"),
         ("reward.overlong_buffer=8", "reward.overlong_buffer=8 exceeds rollout.max_new_tokens=7"),
+        ("model.num_experts=4 model.moe_router_topk=5", "model.moe_router_topk=5 must be in [1, model.num_experts=4]"),
+        ("model.num_experts=4 model.moe_layer_pattern=[1]", "model.moe_layer_pattern has 1 entries"),
+        ("model.moe_token_dispatcher=flex", "model.moe_token_dispatcher='flex' is not allowed"),
     ],
 )
 def test_bad_values_name_the_key(override, fragment):

@@ -7,7 +7,7 @@ Validation of values lives in ``validate.py`` so that these stay plain data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass
@@ -28,6 +28,24 @@ class ModelConfig:
     init_method_std: float = 0.02
     # fp32 | bf16
     dtype: str = "fp32"
+    # Mixture of experts: 0 keeps a dense MLP in every layer.
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    # Hidden size of one routed expert; None uses ffn_hidden_size (Mixtral).
+    moe_ffn_hidden_size: Optional[int] = None
+    # true: softmax over the chosen top-k logits, i.e. weights renormalised to sum to 1 (Mixtral,
+    # Qwen3-MoE with norm_topk_prob); false: softmax over all experts, then top-k (Qwen2-MoE).
+    moe_norm_topk_prob: bool = True
+    # One entry per layer, 1 = MoE, 0 = dense MLP of ffn_hidden_size; None: every layer is MoE.
+    moe_layer_pattern: Optional[List[int]] = None
+    # Always-on shared expert of this hidden size beside the routed ones (Qwen2-MoE); 0 = none.
+    moe_shared_expert_ffn_hidden_size: int = 0
+    # Scale the shared expert's output by sigmoid(x . w) (Qwen2-MoE's shared_expert_gate).
+    moe_shared_expert_gate: bool = False
+    # Load-balancing auxiliary loss coefficient; 0 trains without it.
+    moe_aux_loss_coeff: float = 0.0
+    # alltoall | allgather: how tokens travel to experts on other expert-parallel ranks.
+    moe_token_dispatcher: str = "alltoall"
 
 
 @dataclass

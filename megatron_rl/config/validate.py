@@ -16,6 +16,7 @@ class ConfigError(ValueError):
 ALLOWED = {
     "model.family": ("llama", "qwen2"),
     "model.dtype": ("fp32", "bf16"),
+    "model.moe_token_dispatcher": ("alltoall", "allgather"),
     "rollout.engine": ("embedded",),
     "rollout.placement": ("colocated",),
     "algo.name": ADVANTAGE_ESTIMATORS,
@@ -106,6 +107,12 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"model.num_attention_heads={m.num_attention_heads} must be divisible by "
             f"model.num_query_groups={m.num_query_groups}"
         )
+    if m.num_experts < 0 or (m.num_experts and not 0 < m.moe_router_topk <= m.num_experts):
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in [1, model.num_experts="
+                          f"{m.num_experts}] (model.num_experts=0 builds a dense model)")
+    if m.moe_layer_pattern is not None and len(m.moe_layer_pattern) != m.num_layers:
+        raise ConfigError(f"model.moe_layer_pattern has {len(m.moe_layer_pattern)} entries; it needs one "
+                          f"per layer (model.num_layers={m.num_layers})")
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
     if cfg.algo.group_size < 2:

@@ -7,7 +7,7 @@ same code and their logprobs agree.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,31 @@ def te_available() -> bool:
     return True
 
 
-def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
+def moe_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
+    """TransformerConfig fields for a mixture-of-experts model (empty for a dense one)."""
+    if not cfg.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size,
+        # Megatron's "pre-softmax" is softmax over all experts before top-k with no renormalisation;
+        # without it the softmax runs over the k chosen logits, which equals renormalised top-k.
+        moe_router_pre_softmax=not cfg.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_layer_freq=list(cfg.moe_layer_pattern) if cfg.moe_layer_pattern is not None else 1,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
+        moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher,
+        # Grouped GEMM needs the CUDA grouped_gemm kernels; SequentialMLP (one MLP per local
+        # expert) is exact everywhere and keeps one plainly named weight per expert.
+        moe_grouped_gemm=False,
+    )
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     on_cpu = not cuda_available()
@@ -63,6 +87,7 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
         bf16=cfg.dtype == "bf16",
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
         pipeline_dtype=dtype,
         use_cpu_initialization=on_cpu,
         # Fusions need CUDA kernels; the unfused paths are exact and run anywhere.
@@ -74,6 +99,7 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1):
         batch_p2p_sync=not on_cpu,
         # Losses are summed per token; Megatron divides gradients by the global token count.
         calculate_per_token_loss=True,
+        **moe_kwargs(cfg),
     )
 
 
@@ -85,8 +111,19 @@ def layer_spec(use_te: bool):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
 
 
+def decoder_spec(config, use_te: bool):
+    """The layer spec for a dense model; for MoE, a block spec with a dense or MoE spec per layer
+    (``moe_layer_freq``), sliced to this pipeline stage's layers."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    if not config.num_moe_experts:
+        return layer_spec(use_te)
+    return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                      normalization="RMSNorm")
+
+
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
-                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None):
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None, ep: int = 1):
     """A GPTModel on this machine's device; parallel_state must already be initialised.
 
     Under a pipeline (pp > 1) this rank's stage decides, unless given: only the first stage
@@ -102,9 +139,10 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     make_thread_safe()
     use_te = te_available()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
+    config = transformer_config(cfg, tp, pp, ep)
     model = GPTModel(
-        config=transformer_config(cfg, tp, pp),
-        transformer_layer_spec=layer_spec(use_te),
+        config=config,
+        transformer_layer_spec=decoder_spec(config, use_te),
         vocab_size=vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
