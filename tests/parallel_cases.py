@@ -14,12 +14,15 @@ from megatron_rl.types import Trajectory
 VOCAB = 48  # a multiple of 8 * tp for tp <= 2, so every layout pads it the same
 
 
-def tiny_cfg(tp: int = 1, pp: int = 1, dp_optimizer: bool = False) -> RootConfig:
+def tiny_cfg(tp: int = 1, pp: int = 1, dp_optimizer: bool = False, ep: int = 1, moe: bool = False) -> RootConfig:
     cfg = RootConfig()
     cfg.model.num_layers = 4
     cfg.model.hidden_size, cfg.model.ffn_hidden_size = 64, 128
     cfg.model.num_attention_heads, cfg.model.num_query_groups = 4, 2
-    cfg.learner.tp, cfg.learner.pp = tp, pp
+    if moe:  # 4 experts, top-2, every other layer (dense and MoE layers both exercised)
+        cfg.model.num_experts, cfg.model.moe_router_topk, cfg.model.moe_ffn_hidden_size = 4, 2, 48
+        cfg.model.moe_layer_pattern = [0, 1, 0, 1]
+    cfg.learner.tp, cfg.learner.pp, cfg.learner.ep = tp, pp, ep
     cfg.learner.use_distributed_optimizer = dp_optimizer
     cfg.learner.micro_batch_tokens = 96  # several micro-batches per step
     # Adam's first step moves each weight by about lr·g/(|g| + eps): for gradients near eps the
@@ -59,6 +62,7 @@ def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Tra
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
         "roundtrip_max_err": max((loaded_back[k] - full[k]).abs().max().item() for k in loaded_back),
         "logprobs": logprobs,
         "metrics": metrics,

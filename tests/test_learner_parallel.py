@@ -15,9 +15,8 @@ from parallel_cases import VOCAB, batch, learner_case, tiny_cfg
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def reference(megatron_world):
-    learner = Learner(tiny_cfg(), VOCAB)
+def _reference(moe: bool):
+    learner = Learner(tiny_cfg(moe=moe), VOCAB)
     with torch.no_grad():  # move every weight off Megatron's init so no layout hides behind symmetry
         gen = torch.Generator().manual_seed(7)
         for p in learner.module.parameters():
@@ -30,6 +29,16 @@ def reference(megatron_world):
     return full, trajs, logprobs, metrics, updated
 
 
+@pytest.fixture(scope="module")
+def reference(megatron_world):
+    return _reference(moe=False)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(megatron_world):
+    return _reference(moe=True)
+
+
 def _max_gap(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
@@ -37,11 +46,24 @@ def _max_gap(a, b) -> float:
 @pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)],
                          ids=["tp2", "pp2", "tp2xpp2", "dp2-distopt"])
 def test_sharded_learner_equals_single_process(reference, tp, pp, dp):
-    full, trajs, ref_lp, ref_metrics, ref_updated = reference
     cfg = tiny_cfg(tp, pp, dp_optimizer=dp > 1)
-    out = run_ranks(learner_case, tp * pp * dp, args=(cfg, full, trajs), timeout_s=400)
+    out = _check(reference, cfg, tp * pp * dp)
     assert sorted((o["dp_rank"], o["pp_rank"], o["tp_rank"]) for o in out) == sorted(
         (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp))
+
+
+def test_expert_parallel_moe_learner_equals_single_process(moe_reference):
+    """EP=2 on 2 ranks: each holds 2 of the 4 experts (and is a dense data-parallel replica)."""
+    out = _check(moe_reference, tiny_cfg(ep=2, moe=True), 2)
+    assert sorted((o["ep_rank"], o["dp_rank"]) for o in out) == [(0, 0), (1, 1)]
+    assert any(".local_experts.3." in k for k in out[1]["weights"])  # rank 1 gathered all experts
+
+
+def _check(reference, cfg, world):
+    full, trajs, ref_lp, ref_metrics, ref_updated = reference
+    tp, pp = cfg.learner.tp, cfg.learner.pp
+    dp = world // (tp * pp)
+    out = run_ranks(learner_case, world, args=(cfg, full, trajs), timeout_s=180)
     weights = {}
     for o in out:
         assert o["roundtrip_max_err"] == 0.0  # load then gather gives back the same tensors
@@ -55,6 +77,7 @@ def test_sharded_learner_equals_single_process(reference, tp, pp, dp):
     moved = max((ref_updated[k] - full[k]).abs().max().item() for k in full)
     assert moved > 5e-5  # the step did something (Adam moves weights by about lr)
     worst = max((weights[k] - ref_updated[k]).abs().max().item() for k in weights)
-    print(f"tp={tp} pp={pp} dp={dp}: logprob gap {_max_gap(out[0]['logprobs'], ref_lp):.1e}, "
+    print(f"tp={tp} pp={pp} dp={dp} ep={cfg.learner.ep}: logprob gap {_max_gap(out[0]['logprobs'], ref_lp):.1e}, "
           f"loss {out[0]['metrics']['train/loss']:.6f} vs {ref_metrics['train/loss']:.6f}, weight gap {worst:.1e}")
     assert worst <= TOL, worst
+    return out

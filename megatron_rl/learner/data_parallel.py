@@ -78,3 +78,28 @@ def sum_over_replicas(stats: Dict[str, float]) -> Dict[str, float]:
     values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(values, group=ps.get_data_parallel_group())
     return dict(zip(keys, values.tolist()))
+
+
+def uniform_micro_batches(trajs: Sequence, token_budget: int, pad_id: int) -> List:
+    """Micro-batches of one shape and count on every data-parallel replica.
+
+    Needed when replicas meet inside the forward: an MoE layer under expert parallelism
+    exchanges tokens with the other EP ranks (all-gathers of equal-shaped routing data, then
+    all-to-alls) once per micro-batch, so every replica must run as many micro-batches of the
+    same [rows, seq_len]. Replicas with fewer sequences get filler rows (zero loss mask), which
+    change no loss or gradient (with a load-balancing loss they would count as routed tokens)."""
+    from .batch import _collate
+
+    ps = _ps()
+    longest = max((len(t.prompt_ids) + len(t.response_ids) for t in trajs), default=1)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    sizes = torch.tensor([longest, len(trajs)], dtype=torch.long, device=device)
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    seq_len, most = (int(v) for v in sizes.tolist())
+    rows = max(1, token_budget // seq_len)
+    batches = []
+    for start in range(0, max(most, 1), rows):
+        idx = list(range(start, min(start + rows, len(trajs))))
+        batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
+    return batches

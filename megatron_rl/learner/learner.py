@@ -22,7 +22,7 @@ from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
 from ..types import Trajectory
 from .batch import MicroBatch, build_micro_batches, response_values
-from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas
+from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas, uniform_micro_batches
 from .logprobs import token_entropy, token_logprobs
 from .parallel import init_model_parallel
 
@@ -55,7 +55,7 @@ class Learner:
         lc = cfg.learner
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
-        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=False,
@@ -77,7 +77,7 @@ class Learner:
         model.config.grad_scale_func = self.optimizer.scale_loss
         self.ref_model: Optional[torch.nn.Module] = None
         if cfg.algo.kl_coef > 0:
-            self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+            self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
         self.optimizer_steps = 0
@@ -123,6 +123,8 @@ class Learner:
                 setattr(traj, field, lp)
 
     def _micro_batches(self, trajs: Sequence[Trajectory]) -> List[MicroBatch]:
+        if self.cfg.learner.ep > 1:  # MoE layers exchange tokens between replicas per micro-batch
+            return uniform_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id)
         # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
         return build_micro_batches(trajs, self.cfg.learner.micro_batch_tokens, self.pad_id,
                                    equal_shape=self.cfg.learner.pp > 1)

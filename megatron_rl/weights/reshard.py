@@ -8,6 +8,9 @@ parameter). Two layouts need more than a concatenation:
   is the gates of every rank followed by the ups (a plain concatenation would interleave them);
 - the fused QKV is grouped by KV head and each TP rank holds whole groups, so concatenating the
   shards in rank order *is* the full layout.
+Routed experts (MoE, SequentialMLP) are split over the expert-parallel group (each rank holds
+``num_experts / ep`` whole experts, numbered locally from 0) and their linears over the expert-TP
+group, which Megatron sizes separately from the dense TP group.
 
 ``full_tensors`` (gather; collective over the TP group) and ``load_full_tensors`` (scatter; local)
 are exact inverses; both speak full Megatron names with global layer numbers, which
@@ -23,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# A routed expert's weights (SequentialMLP): ``local_experts.<j>`` is expert ep_rank * n_local + j.
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
 
 
 def _parallel_state():
@@ -84,11 +89,11 @@ def full_tensors(module: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
 
     Collective over the tensor-parallel group: every TP rank of the stage must iterate it to the
     end in step (each yields the same full tensors)."""
-    ps = _parallel_state()
-    tp = ps.get_tensor_model_parallel_world_size()
-    group = ps.get_tensor_model_parallel_group() if tp > 1 else None
     offset = layer_offset(module)
+    ep, ep_rank, n_local = _expert_split(module)
     for name, tensor, dim in _weights(module):
+        expert = _EXPERT.match(name)
+        tp, tp_rank, group = _tp_of(bool(expert))
         local = tensor.detach()
         if dim is None or tp == 1:
             full = local.clone()
@@ -100,7 +105,36 @@ def full_tensors(module: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
                 full = torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
             else:
                 full = torch.cat(shards, dim=dim)
-        yield to_global_name(name, offset), full
+        if expert is None:
+            yield to_global_name(name, offset), full
+            continue
+        prefix, j, suffix = expert.group(1), int(expert.group(2)), expert.group(3)
+        parts = [full]
+        if ep > 1:  # local expert j of every EP rank
+            parts = [torch.empty_like(full) for _ in range(ep)]
+            dist.all_gather(parts, full.contiguous(), group=_parallel_state().get_expert_model_parallel_group())
+        for r, part in enumerate(parts):
+            yield to_global_name(f"{prefix}{r * n_local + j}{suffix}", offset), part
+
+
+def _tp_of(expert: bool):
+    """(size, rank, group) of the tensor-parallel group that splits a dense or an expert weight."""
+    ps = _parallel_state()
+    if expert:
+        size = ps.get_expert_tensor_parallel_world_size()
+        return size, ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_group() if size > 1 else None
+    size = ps.get_tensor_model_parallel_world_size()
+    return size, ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_group() if size > 1 else None
+
+
+def _expert_split(module: torch.nn.Module):
+    """(ep size, ep rank, experts per rank); (1, 0, 0) for a dense model."""
+    experts = getattr(getattr(module, "config", None), "num_moe_experts", None)
+    if not experts:
+        return 1, 0, 0
+    ps = _parallel_state()
+    ep = ps.get_expert_model_parallel_world_size()
+    return ep, ps.get_expert_model_parallel_rank(), experts // ep
 
 
 @torch.no_grad()
@@ -108,12 +142,14 @@ def load_full_tensors(module: torch.nn.Module, full: Mapping[str, torch.Tensor],
     """Copy this rank's slice of each full tensor into ``module``; returns how many were set.
 
     ``strict``: every local weight must be present in ``full`` (a partial load is an error)."""
-    ps = _parallel_state()
-    tp = ps.get_tensor_model_parallel_world_size()
-    rank = ps.get_tensor_model_parallel_rank()
     offset = layer_offset(module)
+    ep, ep_rank, n_local = _expert_split(module)
     loaded = 0
     for name, tensor, dim in _weights(module):
+        expert = _EXPERT.match(name)
+        tp, rank, _ = _tp_of(bool(expert))
+        if expert is not None:
+            name = f"{expert.group(1)}{ep_rank * n_local + int(expert.group(2))}{expert.group(3)}"
         key = to_global_name(name, offset)
         if key not in full:
             if strict:

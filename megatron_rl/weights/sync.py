@@ -5,8 +5,9 @@ There is one weight-sync group per pipeline stage: ``[that stage's source rank] 
 where the source is the stage's rank with TP rank 0 and DP rank 0. A send is, per stage and in
 stage order, a run of buckets; each bucket is a header (version, names, shapes, dtypes, byte
 offsets) broadcast as an object, then one flat byte buffer broadcast as a tensor; an empty header
-ends the stage. Within a stage every TP rank of replica 0 takes part in gathering the full
-tensors (all-gathers over the TP group); other replicas hold the same weights and do nothing.
+ends the stage. Every learner rank takes part in gathering the full tensors (all-gathers over
+the TP group, and over the EP group for routed experts; other data-parallel replicas repeat the
+gathers in their own groups, which costs time but no traffic to the engines).
 Stages gather in parallel; engines receive them one after another. Buckets bound the memory a
 send needs beyond the model (one bucket of gathered tensors on the source, one on each engine as
 it arrives) and let the transfer overlap the gathering of the next tensors.
@@ -103,8 +104,8 @@ def send_weights(module: torch.nn.Module, model_cfg: ModelConfig, groups: SyncGr
     ranks that only helped gather)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() != 0 or ps.get_context_parallel_rank() != 0:
-        return None  # the same weights as replica 0 / CP rank 0, which sends
+    # Every learner rank walks its tensors: the TP and EP all-gathers inside need all members, and
+    # an EP group spans dense data-parallel replicas. Only each stage's source sends.
     stage = ps.get_pipeline_model_parallel_rank()
     src = groups.topology.sources[stage]
     is_source = dist.get_rank() == src
