@@ -12,7 +12,9 @@ from typing import List, Optional
 
 @dataclass
 class ModelConfig:
-    # llama: RMSNorm + SwiGLU + RoPE, no biases; qwen2: the same plus q/k/v biases.
+    # llama: RMSNorm + SwiGLU + RoPE, no biases; qwen2: the same plus q/k/v biases; qwen3: per-head
+    # q/k RMSNorm, no biases; qwen2_moe, qwen3_moe, mixtral: their MoE counterparts (set num_experts).
+    # With model.path, family and sizes come from the checkpoint's config.json.
     family: str = "llama"
     # Hugging Face or Megatron checkpoint to start from; None builds a random-init model.
     path: Optional[str] = None
@@ -22,7 +24,12 @@ class ModelConfig:
     num_query_groups: int = 2
     ffn_hidden_size: int = 128
     max_position_embeddings: int = 64
+    # Size of one attention head; None: hidden_size / num_attention_heads (Qwen3 sets it apart).
+    head_dim: Optional[int] = None
     rotary_base: float = 10000.0
+    # Llama 3.x RoPE frequency scaling factor (low/high frequency factors 1/4, original context 8192);
+    # None: plain RoPE.
+    rope_scaling_factor: Optional[float] = None
     norm_epsilon: float = 1e-6
     tie_word_embeddings: bool = False
     init_method_std: float = 0.02

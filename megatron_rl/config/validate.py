@@ -6,6 +6,7 @@ from typing import Any, Iterable
 
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES
+from ..models.families import FAMILY_NAMES
 from .schema import RootConfig
 
 
@@ -14,7 +15,7 @@ class ConfigError(ValueError):
 
 
 ALLOWED = {
-    "model.family": ("llama", "qwen2"),
+    "model.family": FAMILY_NAMES,
     "model.dtype": ("fp32", "bf16"),
     "model.moe_token_dispatcher": ("alltoall", "allgather"),
     "rollout.engine": ("embedded",),
@@ -97,7 +98,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         strict=False,
     )
     m = cfg.model
-    if m.hidden_size % m.num_attention_heads:
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} must be divisible by "
             f"model.num_attention_heads={m.num_attention_heads}"

@@ -1,4 +1,4 @@
-"""Build a Megatron-core GPTModel (llama / qwen2 style) from our ModelConfig.
+"""Build a Megatron-core GPTModel (llama, qwen2, qwen3 and their MoE forms) from our ModelConfig.
 
 The learner and the embedded rollout engine both build their model here, so their forwards are the
 same code and their logprobs agree.
@@ -14,13 +14,10 @@ import torch.nn.functional as F
 
 from ..config.schema import ModelConfig
 from .cpu_patches import apply_cpu_patches, cuda_available
+from .families import get_family
 from .thread_safety import make_thread_safe
 
 logger = logging.getLogger(__name__)
-
-# Families whose attention projections carry biases (q/k/v only).
-_QKV_BIAS = {"llama": False, "qwen2": True}
-
 
 def padded_vocab_size(vocab_size: int, tp: int = 1, multiple: int = 8) -> int:
     """Megatron shards the vocabulary over TP ranks: pad it to a multiple of ``multiple * tp``."""
@@ -67,19 +64,21 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
 
     on_cpu = not cuda_available()
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32
+    family = get_family(cfg.family)
     return TransformerConfig(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
         ffn_hidden_size=cfg.ffn_hidden_size,
-        kv_channels=cfg.hidden_size // cfg.num_attention_heads,
+        kv_channels=cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=_QKV_BIAS[cfg.family],
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=cfg.init_method_std,
@@ -103,12 +102,12 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1):
     )
 
 
-def layer_spec(use_te: bool):
+def layer_spec(use_te: bool, qk_layernorm: bool = False):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
 def decoder_spec(config, use_te: bool):
@@ -117,7 +116,7 @@ def decoder_spec(config, use_te: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
     if not config.num_moe_experts:
-        return layer_spec(use_te)
+        return layer_spec(use_te, config.qk_layernorm)
     return gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                       normalization="RMSNorm")
 
@@ -150,6 +149,9 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rotary_base),
+        # Megatron's rope_scaling is Llama 3's frequency scaling (hf_config checks its constants).
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
     if cuda_available():
         model = model.cuda(torch.cuda.current_device())
