@@ -20,6 +20,7 @@ def tiny_cfg(tp: int = 1, pp: int = 1, dp_optimizer: bool = False, ep: int = 1, 
     cfg.model.hidden_size, cfg.model.ffn_hidden_size = 64, 128
     cfg.model.num_attention_heads, cfg.model.num_query_groups = 4, 2
     if moe:  # 4 experts, top-2, every other layer (dense and MoE layers both exercised)
+        cfg.model.family = "mixtral"  # HF names for the experts (block_sparse_moe.experts.E.w1/w2/w3)
         cfg.model.num_experts, cfg.model.moe_router_topk, cfg.model.moe_ffn_hidden_size = 4, 2, 48
         cfg.model.moe_layer_pattern = [0, 1, 0, 1]
     cfg.learner.tp, cfg.learner.pp, cfg.learner.ep = tp, pp, ep
@@ -83,7 +84,7 @@ def sync_case(cfg: RootConfig, num_learner_ranks: int, bucket_bytes: int) -> Dic
 
     world = dist.get_world_size()
     lc = cfg.learner
-    role = init_split_parallel_state(num_learner_ranks, lc.tp, lc.pp, seed=cfg.trainer.seed)
+    role = init_split_parallel_state(num_learner_ranks, lc.tp, lc.pp, lc.ep, seed=cfg.trainer.seed)
     groups = build_sync_groups(sync_topology(num_learner_ranks, lc.tp, lc.pp, lc.cp, range(num_learner_ranks, world)))
     engine_rank = num_learner_ranks
     out: Dict[str, Any] = {"role": role}
