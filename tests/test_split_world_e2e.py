@@ -37,3 +37,6 @@ def test_tp2_learner_and_two_engines_learn(tmp_path):
     # Engines sample from exactly the weights the learner trains (on-policy, every step synced).
     assert max(r["train/behav_logprob_gap"] for r in rows) < 1e-4
     assert all(r["sync/bytes"] > 0 for r in rows)
+    # Megatron dist_checkpointing ran across the two learner ranks only (engines took no part).
+    assert (run_dir / "checkpoints" / "latest").read_text() == f"step_{STEPS}"
+    assert list((run_dir / "checkpoints" / f"step_{STEPS}").glob("*.distcp"))

@@ -59,6 +59,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = load_config(recipe, overrides, distributed=True)
         cfg.trainer.recipe = recipe
         plan = plan_for(cfg, world, per_node)
+        if cfg.learner.cp > 1 and not dry_run:
+            from ..models.gpt import te_available
+
+            if not te_available():
+                # megatron-core's local attention asserts context_parallel_size == 1.
+                raise ConfigError(f"learner.cp={cfg.learner.cp} needs TransformerEngine's attention (CUDA); "
+                                  "megatron-core's local attention has no context parallelism: use learner.cp=1")
     except (ConfigError, PlacementError) as err:
         print(f"megatron_rl.launch: error: {err}", file=sys.stderr)
         return 2

@@ -68,10 +68,25 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..learner.learner import Learner
 
     learner = Learner(cfg, vocab, pad_id=tokenizer.pad_id)
-    if dist.get_rank() == DRIVER:
-        return _Driver(cfg, plan, learner, groups, tokenizer, prompts).run()
-    _follow(cfg, learner, groups)
-    return None
+    driver = _Driver(cfg, plan, learner, groups, tokenizer, prompts) if dist.get_rank() == DRIVER else None
+    summary = driver.run() if driver else _follow(cfg, learner, groups)
+    if cfg.trainer.save_final_checkpoint:
+        _save_final(cfg, learner, driver)
+    return summary
+
+
+def _save_final(cfg: RootConfig, learner, driver) -> None:
+    """Megatron dist_checkpointing across the learner ranks (its collectives run on the default
+    group, which is the learner group on these ranks), in the driver's run directory."""
+    from pathlib import Path
+
+    from ..checkpoint import save_checkpoint
+
+    box = [(str(driver.run_dir), driver.steps_done) if driver else None]
+    dist.broadcast_object_list(box, src=DRIVER)
+    run_dir, step = box[0]
+    save_checkpoint(learner, Path(run_dir) / "checkpoints", step, {"policy_version": step},
+                    keep=cfg.trainer.checkpoint_keep)
 
 
 # ---------------------------------------------------------------------------- engine ranks
@@ -127,7 +142,7 @@ def _train_and_sync(cfg: RootConfig, learner, groups, trajs: Sequence[Trajectory
     return metrics, stats
 
 
-def _follow(cfg: RootConfig, learner, groups) -> None:
+def _follow(cfg: RootConfig, learner, groups) -> None:  # noqa: D401 - returns None: only rank 0 reports
     from ..weights.sync import send_weights
 
     send_weights(learner.module, cfg.model, groups, version=0)
@@ -158,6 +173,7 @@ class _Driver:
         self.params = _sampling(cfg, tokenizer.eos_id)
         self.engine_heads = [g[0] for g in plan.engine_groups]
         self.loop = asyncio.new_event_loop()
+        self.steps_done = 0
         logger.info("split world:\n%s", plan.table())
 
     def run(self) -> Dict[str, float]:
@@ -195,6 +211,7 @@ class _Driver:
                     "sync/bytes": float(sync.bytes) if sync else 0.0, "policy/version": float(step),
                 })
                 self.metrics.write(step, metrics)
+                self.steps_done = step
                 if step == 1 or step % cfg.trainer.log_interval == 0:
                     logger.info("step %d: reward %.3f, loss %.4f, %.2f s", step, metrics["reward/mean"],
                                 metrics["train/loss"], t3 - t0)
