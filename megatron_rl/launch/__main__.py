@@ -87,6 +87,11 @@ def _run(cfg, plan, per_node: int) -> int:
     from .run import run_split_world
 
     setup_logging()  # every rank: log format, and megatron's expected CPU fallback warnings quiet
+    # `kill -USR1 <pid>` prints where a rank's threads are: the first thing to ask of a hung job.
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     if not torch.cuda.is_available():
         # CPU: share the cores of this node among its ranks (one OpenMP team each).

@@ -1,5 +1,7 @@
-"""One RL job over a split torchrun world (disaggregated placement): Megatron learner ranks and
-embedded-engine ranks, weights pushed over the weight-sync groups after every step.
+"""One RL job over a torchrun world: Megatron learner ranks and embedded engines, either on their
+own ranks (disaggregated: weights pushed over the weight-sync groups after every step) or one
+per learner rank in a child process (colocated: each rank gathers the full weights and loads its
+own engine through shared memory).
 
 Rank 0 (a learner rank) drives: it draws prompts, shares them out over the engines, scores the
 returned samples, computes advantages, and hands the batch to every learner rank, which then
@@ -52,13 +54,11 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..models.gpt import padded_vocab_size
     from ..weights.sync import SyncTopology, build_sync_groups
 
-    if plan.layout.placement != "disaggregated":
-        raise NotImplementedError("the split world runs disaggregated placement; colocated placement on more "
-                                  "than one rank is not implemented yet (one rank: python -m megatron_rl.main)")
     lc = cfg.learner
+    colocated = plan.layout.placement == "colocated"
     role = init_split_parallel_state(len(plan.learner_ranks), lc.tp, lc.pp, lc.ep, lc.cp,
                                      engine_tp=cfg.rollout.tp, seed=cfg.trainer.seed)
-    groups = build_sync_groups(SyncTopology(plan.sync_sources, plan.engine_ranks))
+    groups = None if colocated else build_sync_groups(SyncTopology(plan.sync_sources, plan.engine_ranks))
     tokenizer, prompts = build_data(cfg)
     vocab = padded_vocab_size(tokenizer.vocab_size, lc.tp)
     if role == "engine":
@@ -68,8 +68,13 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..learner.learner import Learner
 
     learner = Learner(cfg, vocab, pad_id=tokenizer.pad_id)
-    driver = _Driver(cfg, plan, learner, groups, tokenizer, prompts) if dist.get_rank() == DRIVER else None
-    summary = driver.run() if driver else _follow(cfg, learner, groups)
+    local = _LocalEngine(cfg, vocab, learner) if colocated else None
+    try:
+        driver = _Driver(cfg, plan, learner, groups, tokenizer, prompts, local) if dist.get_rank() == DRIVER else None
+        summary = driver.run() if driver else (_follow_colocated(cfg, local) if local else _follow(cfg, learner, groups))
+    finally:
+        if local is not None:
+            local.close()
     if cfg.trainer.save_final_checkpoint:
         _save_final(cfg, learner, driver)
     return summary
@@ -133,6 +138,78 @@ def _serve_engine(cfg: RootConfig, vocab: int, groups, engine_index: int) -> Non
     loop.close()
 
 
+# ---------------------------------------------------------------------------- colocated
+class _LocalEngine:
+    """Colocated placement: this learner rank's engine, an embedded engine in a child process
+    (its own interpreter; idle while the learner trains), loaded from this rank's gathered
+    weights through shared memory."""
+
+    def __init__(self, cfg: RootConfig, vocab: int, learner):
+        from ..rollout.embedded import EngineProcess
+
+        self.cfg, self.learner = cfg, learner
+        self.loop = asyncio.new_event_loop()
+        self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size,
+                                    seed=cfg.trainer.seed + 1 + dist.get_rank(), cpu_threads=1,
+                                    recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
+
+    def push(self, version: int) -> Tuple[float, int]:
+        """Every learner rank: gather the full weights, load them into this rank's engine."""
+        from ..weights.sync import all_hf_tensors
+
+        start = time.perf_counter()
+        tensors = all_hf_tensors(self.learner.module, self.cfg.model)
+
+        async def swap():
+            await self.engine.wake_up()
+            await self.engine.pause()
+            await self.engine.update_weights(tensors.items(), version)
+            await self.engine.resume()
+
+        self.loop.run_until_complete(swap())
+        return time.perf_counter() - start, sum(t.numel() * t.element_size() for t in tensors.values())
+
+    def train(self, trajs: Sequence[Trajectory], lr: float) -> Dict[str, float]:
+        # The engine gives its accelerator memory back while the learner trains (a no-op for the
+        # embedded engine on CPU, which just idles in its process); push() wakes it.
+        self.loop.run_until_complete(self.engine.sleep())
+        return self.learner.train_step(trajs, self.cfg.rollout.temperature, lr)
+
+    def generate(self, work, params: SamplingParams, step: int) -> List[List[Trajectory]]:
+        from ..rollout.workflow import single_turn
+
+        async def run():
+            jobs = [single_turn(self.engine, p, i, params, f"s{step}-{p.uid}-{i}") for p, n in work for i in range(n)]
+            return await asyncio.gather(*jobs)
+
+        flat, out, k = self.loop.run_until_complete(run()), [], 0
+        for _, n in work:
+            out.append(list(flat[k : k + n]))
+            k += n
+        return out
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.shutdown())
+        self.loop.close()
+
+
+def _follow_colocated(cfg: RootConfig, local: _LocalEngine) -> None:
+    """Non-driver ranks of a colocated world: generate this rank's share, then train and push."""
+    local.push(0)
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=DRIVER)
+        if box[0][0] == "stop":
+            break
+        if box[0][0] == "generate":
+            _, step, shares, params = box[0]
+            dist.gather_object(local.generate(shares[dist.get_rank()], params, step), None, dst=DRIVER)
+        else:
+            _, trajs, lr, version = box[0]
+            local.train(trajs, lr)
+            local.push(version)
+
+
 # ---------------------------------------------------------------------------- learner ranks
 def _train_and_sync(cfg: RootConfig, learner, groups, trajs: Sequence[Trajectory], lr: float, version: int):
     from ..weights.sync import send_weights
@@ -156,12 +233,12 @@ def _follow(cfg: RootConfig, learner, groups) -> None:  # noqa: D401 - returns N
 
 
 class _Driver:
-    def __init__(self, cfg: RootConfig, plan: Plan, learner, groups, tokenizer, prompts):
+    def __init__(self, cfg: RootConfig, plan: Plan, learner, groups, tokenizer, prompts, local=None):
         from ..rewards import REWARDS, RewardRunner
         from ..telemetry.metrics import MetricsWriter, Timeline
         from ..telemetry.run_dir import make_run_dir, setup_logging
 
-        self.cfg, self.plan, self.learner, self.groups = cfg, plan, learner, groups
+        self.cfg, self.plan, self.learner, self.groups, self.local = cfg, plan, learner, groups, local
         self.tokenizer, self.prompts = tokenizer, iter(prompts)
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
@@ -178,10 +255,13 @@ class _Driver:
 
     def run(self) -> Dict[str, float]:
         from ..trainer import lr_at
-        from ..weights.sync import send_weights
+        from ..weights.sync import SyncStats, send_weights
 
         cfg = self.cfg
-        send_weights(self.learner.module, cfg.model, self.groups, version=0)
+        if self.local:
+            self.local.push(0)
+        else:
+            send_weights(self.learner.module, cfg.model, self.groups, version=0)
         metrics: Dict[str, float] = {}
         try:
             for step in range(1, cfg.trainer.total_steps + 1):
@@ -199,7 +279,12 @@ class _Driver:
                 t2 = time.perf_counter()
                 with self.timeline.span("train", step=step):
                     dist.broadcast_object_list([("train", flat, lr, step)], src=DRIVER)
-                    train_metrics, sync = _train_and_sync(cfg, self.learner, self.groups, flat, lr, step)
+                    if self.local:
+                        train_metrics = self.local.train(flat, lr)
+                        seconds, nbytes = self.local.push(step)
+                        sync = SyncStats(step, seconds=seconds, bytes=nbytes)
+                    else:
+                        train_metrics, sync = _train_and_sync(cfg, self.learner, self.groups, flat, lr, step)
                 t3 = time.perf_counter()
                 metrics.update(train_metrics)
                 generated = sum(len(t.response_ids) for t in flat)
@@ -216,7 +301,7 @@ class _Driver:
                     logger.info("step %d: reward %.3f, loss %.4f, %.2f s", step, metrics["reward/mean"],
                                 metrics["train/loss"], t3 - t0)
         finally:
-            for head in self.engine_heads:
+            for head in ([] if self.local else self.engine_heads):
                 _send(("stop",), head)
             dist.broadcast_object_list([("stop",)], src=DRIVER)
             self.metrics.close()
@@ -226,6 +311,8 @@ class _Driver:
         return metrics
 
     def _generate(self, prompts, step: int) -> Tuple[List[List[Trajectory]], List[float]]:
+        if self.local:
+            return self._generate_colocated(prompts, step)
         g = self.cfg.algo.group_size
         n = len(self.engine_heads)
         shares = [[(p, g) for p in prompts[e::n]] for e in range(n)]  # round robin over engines
@@ -237,6 +324,21 @@ class _Driver:
             for j, group in enumerate(out):
                 groups[e + j * n] = group
         return groups, [seconds for _, seconds in replies]  # type: ignore[return-value]
+
+    def _generate_colocated(self, prompts, step: int) -> Tuple[List[List[Trajectory]], List[float]]:
+        """Every rank generates its share on its own engine; the groups come back here."""
+        g, n = self.cfg.algo.group_size, dist.get_world_size()
+        shares = [[(p, g) for p in prompts[r::n]] for r in range(n)]
+        start = time.perf_counter()
+        dist.broadcast_object_list([("generate", step, shares, self.params)], src=DRIVER)
+        mine = self.local.generate(shares[DRIVER], self.params, step)
+        replies: List = [None] * n
+        dist.gather_object(mine, replies, dst=DRIVER)
+        groups: List[Optional[List[Trajectory]]] = [None] * len(prompts)
+        for r, out in enumerate(replies):
+            for j, group in enumerate(out):
+                groups[r + j * n] = group
+        return groups, [time.perf_counter() - start]  # type: ignore[return-value]
 
     async def _score(self, prompts, groups: List[List[Trajectory]]) -> None:
         from ..rewards.shaping import overlong_penalty

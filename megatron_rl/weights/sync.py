@@ -84,6 +84,21 @@ def _hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[Tup
         yield from megatron_to_hf(name, full, model_cfg)
 
 
+def all_hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Dict[str, torch.Tensor]:
+    """Every full HF-named tensor of the model on every learner rank (colocated engines load from
+    their own rank): TP/EP-gathered per stage, then exchanged over the pipeline group. Collective
+    over the learner ranks. Objects over the pipeline group are pickled: fine on CPU; on GPU,
+    colocated engines should take CUDA IPC handles instead (not implemented)."""
+    from megatron.core import parallel_state as ps
+
+    own = dict(_hf_tensors(module, model_cfg))
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return own
+    stages: List[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, {k: v.cpu() for k, v in own.items()}, group=ps.get_pipeline_model_parallel_group())
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
 def _buckets(named: Iterator[Tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[List[Tuple[str, torch.Tensor]]]:
     bucket: List[Tuple[str, torch.Tensor]] = []
     size = 0
