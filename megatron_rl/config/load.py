@@ -22,7 +22,7 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RootConfig)
 
 
-def to_dataclass(cfg: DictConfig) -> RootConfig:
+def to_dataclass(cfg: DictConfig, distributed: bool = False) -> RootConfig:
     """Merge a composed config onto the schema (type-checked) and validate its values."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
@@ -39,10 +39,10 @@ def to_dataclass(cfg: DictConfig) -> RootConfig:
         obj.model = resolve_model_config(obj.model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    return validate(obj)
+    return validate(obj, distributed=distributed)
 
 
-def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = ()) -> RootConfig:
+def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
     """Compose ``recipes/<recipe>.yaml`` with command-line style overrides, as the CLI does."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
@@ -53,4 +53,4 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = ()) -> Root
             cfg = compose(config_name=recipe, overrides=list(overrides))
         except HydraException as err:
             raise ConfigError(str(err).splitlines()[0]) from None
-    return to_dataclass(cfg)
+    return to_dataclass(cfg, distributed=distributed)

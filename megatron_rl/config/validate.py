@@ -69,9 +69,14 @@ def _positive(cfg: Any, keys: Iterable[str], strict: bool = True) -> None:
             raise ConfigError(f"{key}={value!r} must be {bound}")
 
 
-def validate(cfg: RootConfig) -> RootConfig:
-    """Check every value of a resolved config; raise ConfigError naming the first bad key."""
+def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
+    """Check every value of a resolved config; raise ConfigError naming the first bad key.
+
+    ``distributed``: the config is for the torchrun world split (``python -m megatron_rl.launch``),
+    where multi-rank learners and engines exist; the placement planner checks their sizes."""
     for key in ALLOWED:
+        if distributed and key == "rollout.placement" and cfg.rollout.placement == "disaggregated":
+            continue
         _choice(cfg, key)
     _positive(
         cfg,
@@ -174,9 +179,9 @@ def validate(cfg: RootConfig) -> RootConfig:
         )
     for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
                 "rollout.engines"):
-        if _get(cfg, key) not in (None, 1):
+        if not distributed and _get(cfg, key) not in (None, 1):
             raise ConfigError(
-                f"{key}={_get(cfg, key)} is not available yet: multi-rank learners and engines "
-                f"arrive with the torchrun world split (issue 4); use {key}=1"
+                f"{key}={_get(cfg, key)} is not available yet in one process: launch the torchrun "
+                f"world split (`torchrun --nproc-per-node N -m megatron_rl.launch ...`) or use {key}=1"
             )
     return cfg

@@ -16,9 +16,10 @@ from ..config.schema import RootConfig
 from ..models.gpt import model_device
 from ..models.value_model import build_value_model
 from ..types import Trajectory
-from .batch import MicroBatch, response_values
+from .batch import MicroBatch
 from .learner import forward_logits
-from .megatron_step import forward_only, micro_batches, minibatch_steps, optimizer_step, set_lr, wrap_for_training
+from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
+                            wrap_for_training)
 
 
 class Critic:
@@ -29,7 +30,7 @@ class Critic:
         lc = cfg.learner
         self.device = model_device()
         init = policy if cfg.critic.init_from_policy else None
-        model = build_value_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, policy=init)
+        model = build_value_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep, policy=init)
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", self.peak_lr)
         self.optimizer_steps = 0
 
@@ -44,12 +45,7 @@ class Critic:
     # ---------------------------------------------------------------- values
     @torch.no_grad()
     def compute_values(self, trajs: Sequence[Trajectory]) -> List[List[float]]:
-        mbs = micro_batches(trajs, self.cfg.learner, self.pad_id)
-        outputs = forward_only(self.model, mbs, self._forward_step)
-        result: Dict[int, List[float]] = {}
-        for mb, values in zip(mbs, outputs):
-            result.update(response_values(mb, values.cpu(), trajs))
-        return [result[i] for i in range(len(trajs))]
+        return per_token_outputs(self.model, trajs, self.cfg.learner, self.pad_id, self._forward_step)
 
     def fill_values(self, trajs: Sequence[Trajectory]) -> None:
         for traj, values in zip(trajs, self.compute_values(trajs)):
@@ -81,7 +77,8 @@ class Critic:
         }
 
     def _optimizer_step(self, trajs: Sequence[Trajectory]) -> Tuple[Dict[str, float], float]:
-        stats, grad_norm = optimizer_step(self.model, self.optimizer, micro_batches(trajs, self.cfg.learner, self.pad_id),
+        stats, grad_norm = optimizer_step(self.model, self.optimizer,
+                                          local_micro_batches(trajs, self.cfg.learner, self.pad_id),
                                           self._loss_step, what="critic")
         self.optimizer_steps += 1
         return stats, grad_norm

@@ -20,9 +20,10 @@ from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
 from ..models.pretrained import load_pretrained
 from ..types import Trajectory
-from .batch import MicroBatch, response_values
+from .batch import MicroBatch
 from .logprobs import token_entropy, token_logprobs
-from .megatron_step import forward_only, micro_batches, minibatch_steps, optimizer_step, set_lr, wrap_for_training
+from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
+                            wrap_for_training)
 from .parallel import init_model_parallel
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -47,13 +48,13 @@ class Learner:
         lc = cfg.learner
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
-        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
         if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
             load_pretrained(model, cfg.model, cfg.model.path)
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", lc.lr)
         self.ref_model: Optional[torch.nn.Module] = None
         if cfg.algo.kl_coef > 0:
-            self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp)
+            self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
         self.optimizer_steps = 0
@@ -74,12 +75,8 @@ class Learner:
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
-        mbs = self._micro_batches(trajs)
-        outputs = forward_only(model, mbs, partial(self._forward_step, temperature=temperature))
-        result: Dict[int, List[float]] = {}
-        for mb, logprobs in zip(mbs, outputs):
-            result.update(response_values(mb, logprobs.cpu(), trajs))
-        return [result[i] for i in range(len(trajs))]
+        return per_token_outputs(model, trajs, self.cfg.learner, self.pad_id,
+                                 partial(self._forward_step, temperature=temperature))
 
     def fill_logprobs(self, trajs: Sequence[Trajectory], temperature: float, reference: bool = False) -> None:
         """Set each trajectory's proximal (or reference) logprobs unless a caller already did
@@ -89,9 +86,6 @@ class Learner:
         if todo:
             for traj, lp in zip(todo, self.compute_logprobs(todo, temperature, reference=reference)):
                 setattr(traj, field, lp)
-
-    def _micro_batches(self, trajs: Sequence[Trajectory]) -> List[MicroBatch]:
-        return micro_batches(trajs, self.cfg.learner, self.pad_id)
 
     def _forward_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
@@ -128,7 +122,7 @@ class Learner:
         return metrics
 
     def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
-        stats, grad_norm = optimizer_step(self.model, self.optimizer, self._micro_batches(trajs),
+        stats, grad_norm = optimizer_step(self.model, self.optimizer, local_micro_batches(trajs, self.cfg.learner, self.pad_id),
                                           partial(self._loss_step, temperature=temperature))
         self.optimizer_steps += 1
         return stats, grad_norm

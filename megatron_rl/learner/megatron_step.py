@@ -12,7 +12,8 @@ import torch
 
 from ..config.schema import LearnerConfig
 from ..types import Trajectory
-from .batch import MicroBatch, build_micro_batches
+from .batch import MicroBatch, build_micro_batches, response_values
+from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas, uniform_micro_batches
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +76,10 @@ def optimizer_step(model: torch.nn.Module, optimizer, mbs: Sequence[MicroBatch],
     if not ok:
         logger.warning("%s optimizer step skipped (non-finite gradients)", what)
     stats: Dict[str, float] = {}
-    for out in outputs:
+    for out in outputs:  # loss statistics exist on the last pipeline stage only
         for k, v in out.items():
             stats[k] = stats.get(k, 0.0) + float(v)
+    stats = sum_over_replicas(from_last_stage(stats))
     return stats, float(grad_norm) if grad_norm is not None else float("nan")
 
 
@@ -87,8 +89,27 @@ def set_lr(optimizer, lr: float) -> None:
 
 
 def micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int) -> List[MicroBatch]:
+    if lc.ep > 1:  # MoE layers exchange tokens between replicas per micro-batch
+        return uniform_micro_batches(trajs, lc.micro_batch_tokens, pad_id)
     # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
     return build_micro_batches(trajs, lc.micro_batch_tokens, pad_id, equal_shape=lc.pp > 1)
+
+
+def local_micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int) -> List[MicroBatch]:
+    """Micro-batches of this data-parallel replica's share of the batch."""
+    return micro_batches(local_share(trajs), lc, pad_id)
+
+
+def per_token_outputs(model: torch.nn.Module, trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int,
+                      step_fn: StepFn) -> List[List[float]]:
+    """A forward-only pass over the whole batch, split over the data-parallel replicas: per
+    response token, what ``step_fn``'s collect function returns (logprobs, values), on every rank."""
+    local = local_share(trajs)  # this replica's slice; gathered below
+    mbs = micro_batches(local, lc, pad_id)
+    result: Dict[int, List[float]] = {}
+    for mb, values in zip(mbs, forward_only(model, mbs, step_fn)):  # empty except on the last stage
+        result.update(response_values(mb, values.cpu(), local))
+    return gather_shares(from_last_stage([result.get(i) for i in range(len(local))]))
 
 
 def minibatch_steps(trajs: Sequence[Trajectory], lc: LearnerConfig,

@@ -7,7 +7,7 @@ same code and their logprobs agree.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -159,10 +159,19 @@ def decoder_spec(config, use_te: bool):
 
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
-                    pre_process: bool = True, post_process: bool = True, ep: int = 1, initialize: bool = True):
-    """A GPTModel on this machine's device; parallel_state must already be initialised."""
+                    pre_process: Optional[bool] = None, post_process: Optional[bool] = None, ep: int = 1,
+                    initialize: bool = True):
+    """A GPTModel on this machine's device; parallel_state must already be initialised.
+
+    Under a pipeline (pp > 1) this rank's stage decides, unless given: only the first stage
+    embeds tokens and only the last computes logits."""
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if pre_process is None:
+        pre_process = pp == 1 or parallel_state.is_pipeline_first_stage()
+    if post_process is None:
+        post_process = pp == 1 or parallel_state.is_pipeline_last_stage()
     apply_cpu_patches()
     make_thread_safe()
     use_te = te_available()

@@ -34,13 +34,13 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def build_value_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
+def build_value_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1, ep: int = 1,
                       policy: Optional[torch.nn.Module] = None):
     """A GPTModel whose forward returns values [b, s, 1]. With ``policy`` (a GPTModel of the same
     layout), every trunk weight is copied from it: the critic starts from the policy's features,
     as PPO-RLHF critics start from the SFT model."""
     # The head replaces the output layer, so there is nothing to tie the embedding to.
-    model = build_gpt_model(dataclasses.replace(cfg, tie_word_embeddings=False), vocab_size, tp=tp, pp=pp)
+    model = build_gpt_model(dataclasses.replace(cfg, tie_word_embeddings=False), vocab_size, tp=tp, pp=pp, ep=ep)
     if model.post_process:
         dtype = next(model.parameters()).dtype
         head = ValueHead(model.config.hidden_size, dtype)

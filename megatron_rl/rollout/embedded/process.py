@@ -29,9 +29,11 @@ from .engine import EngineStats
 
 logger = logging.getLogger(__name__)
 
-# Variables of an enclosing torchrun world: the child forms a world of its own.
+# Variables of an enclosing torchrun world: the child forms a world of its own. (With
+# TORCHELASTIC_USE_AGENT_STORE left set, torch's tcp:// rendezvous connects to a store as a client
+# instead of hosting one, and the child waits forever for a server that never comes.)
 _WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+              "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 class EngineProcess(RolloutEngine):

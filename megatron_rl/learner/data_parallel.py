@@ -1,0 +1,105 @@
+"""How one batch is shared out over the learner's parallel ranks, and how results come back.
+
+Every learner rank is handed the whole batch. Data-parallel replicas each take a contiguous
+slice (all TP/PP ranks of one replica take the same slice); within a replica only the last
+pipeline stage sees logits, so per-token results and loss statistics are broadcast from it to
+the other stages, then gathered (logprobs) or summed (token sums) over the replicas. The loss
+itself needs no help: it is a token sum and Megatron divides the all-reduced gradients by the
+global token count, so any split of the batch gives the same update as one rank with all of it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+T = TypeVar("T")
+
+
+def _ps():
+    from megatron.core import parallel_state
+
+    return parallel_state
+
+
+def dp_size_rank() -> Tuple[int, int]:
+    ps = _ps()
+    return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+
+
+def dp_bounds(n: int, dp: int, rank: int) -> Tuple[int, int]:
+    """[start, end) of replica ``rank``'s share of ``n`` items: contiguous, sizes differ by <= 1."""
+    base, extra = divmod(n, dp)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def local_share(items: Sequence[T]) -> List[T]:
+    """This data-parallel replica's slice of the batch."""
+    dp, rank = dp_size_rank()
+    if len(items) < dp:
+        # Every replica must run the step's collectives (gradient all-reduce, optimizer).
+        raise ValueError(f"a batch of {len(items)} sequences cannot be split over {dp} data-parallel "
+                         f"replicas: give each at least one (more groups per batch or fewer replicas)")
+    start, end = dp_bounds(len(items), dp, rank)
+    return list(items[start:end])
+
+
+def from_last_stage(obj: T) -> T:
+    """``obj`` as the last pipeline stage of this replica has it (a picklable value)."""
+    ps = _ps()
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj]
+    src = ps.get_pipeline_model_parallel_last_rank()
+    dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group())
+    return box[0]
+
+
+def gather_shares(local: List[T]) -> List[T]:
+    """Concatenate every replica's list in replica order (the inverse of ``local_share``)."""
+    ps = _ps()
+    if ps.get_data_parallel_world_size() == 1:
+        return local
+    parts: List[List[T]] = [None] * ps.get_data_parallel_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(parts, local, group=ps.get_data_parallel_group())
+    return [x for part in parts for x in part]
+
+
+def sum_over_replicas(stats: Dict[str, float]) -> Dict[str, float]:
+    """Sum token-sum statistics over the data-parallel replicas (keys equal on every rank)."""
+    ps = _ps()
+    if ps.get_data_parallel_world_size() == 1 or not stats:
+        return stats
+    keys = sorted(stats)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    values = torch.tensor([float(stats[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(values, group=ps.get_data_parallel_group())
+    return dict(zip(keys, values.tolist()))
+
+
+def uniform_micro_batches(trajs: Sequence, token_budget: int, pad_id: int) -> List:
+    """Micro-batches of one shape and count on every data-parallel replica.
+
+    Needed when replicas meet inside the forward: an MoE layer under expert parallelism
+    exchanges tokens with the other EP ranks (all-gathers of equal-shaped routing data, then
+    all-to-alls) once per micro-batch, so every replica must run as many micro-batches of the
+    same [rows, seq_len]. Replicas with fewer sequences get filler rows (zero loss mask), which
+    change no loss or gradient (with a load-balancing loss they would count as routed tokens)."""
+    from .batch import _collate
+
+    ps = _ps()
+    longest = max((len(t.prompt_ids) + len(t.response_ids) for t in trajs), default=1)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    sizes = torch.tensor([longest, len(trajs)], dtype=torch.long, device=device)
+    if ps.get_data_parallel_world_size() > 1:
+        dist.all_reduce(sizes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    seq_len, most = (int(v) for v in sizes.tolist())
+    rows = max(1, token_budget // seq_len)
+    batches = []
+    for start in range(0, max(most, 1), rows):
+        idx = list(range(start, min(start + rows, len(trajs))))
+        batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
+    return batches

@@ -1,0 +1,1 @@
+"""Weights between layouts: Megatron shards ↔ full tensors ↔ Hugging Face names, and transports."""

@@ -1,0 +1,128 @@
+"""Rank-side bodies of the multi-process learner tests (module-level, so spawned ranks can
+unpickle them) and the shared tiny setup."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List
+
+import torch
+
+from megatron_rl.config.schema import RootConfig
+from megatron_rl.types import Trajectory
+
+VOCAB = 48  # a multiple of 8 * tp for tp <= 2, so every layout pads it the same
+
+
+def tiny_cfg(tp: int = 1, pp: int = 1, dp_optimizer: bool = False, ep: int = 1, moe: bool = False) -> RootConfig:
+    cfg = RootConfig()
+    cfg.model.num_layers = 4
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size = 64, 128
+    cfg.model.num_attention_heads, cfg.model.num_query_groups = 4, 2
+    if moe:  # 4 experts, top-2, every other layer (dense and MoE layers both exercised)
+        cfg.model.family = "mixtral"  # HF names for the experts (block_sparse_moe.experts.E.w1/w2/w3)
+        cfg.model.num_experts, cfg.model.moe_router_topk, cfg.model.moe_ffn_hidden_size = 4, 2, 48
+        cfg.model.moe_layer_pattern = [0, 1, 0, 1]
+    cfg.learner.tp, cfg.learner.pp, cfg.learner.ep = tp, pp, ep
+    cfg.learner.use_distributed_optimizer = dp_optimizer
+    cfg.learner.micro_batch_tokens = 96  # several micro-batches per step
+    # Adam's first step moves each weight by about lr·g/(|g| + eps): for gradients near eps the
+    # rounding of a different reduction order (TP/DP sums) is magnified to ~1% of lr, so lr sets
+    # how closely two exact implementations can agree on the updated weights (1e-3 gave ~1e-5).
+    cfg.learner.lr = 1e-4
+    return cfg
+
+
+def batch(n: int = 12) -> List[Trajectory]:
+    """Responses of 1..17 tokens with mixed advantages and behaviour logprobs off-policy."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1, 2, 2, 3, 3, 4, 5, 6, 9, 17, 4, 7][:n]
+    trajs = []
+    for i, k in enumerate(lengths):
+        resp = torch.randint(4, VOCAB, (k,), generator=gen).tolist()
+        behav = (-3.0 - torch.rand(k, generator=gen)).tolist()
+        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3, 4 + i % 5], resp, behav, [0] * k, "stop",
+                                advantage=float(i % 3 - 1)))
+    return trajs
+
+
+def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Trajectory]) -> Dict[str, Any]:
+    """Build a learner at ``cfg``'s layout, load the reference's full weights, compute logprobs,
+    take one training step, and return what this rank sees plus its stage's gathered weights."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.weights.reshard import full_state, load_into_learner
+
+    learner = Learner(cfg, VOCAB)
+    load_into_learner(learner, full)
+    loaded_back = full_state(learner.module)
+    logprobs = learner.compute_logprobs(trajs, 1.0)
+    metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=cfg.learner.lr)
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "ep_rank": ps.get_expert_model_parallel_rank(),
+        "roundtrip_max_err": max((loaded_back[k] - full[k]).abs().max().item() for k in loaded_back),
+        "logprobs": logprobs,
+        "metrics": metrics,
+        "weights": full_state(learner.module),
+    }
+
+
+def sync_case(cfg: RootConfig, num_learner_ranks: int, bucket_bytes: int) -> Dict[str, Any]:
+    """A world of learners (ranks [0, L)) and one embedded engine (rank L): the learner trains a
+    step, sends version 1 over the weight-sync groups, the engine loads it and generates, and the
+    learner scores the engine's tokens. Returns per rank what it saw."""
+    import asyncio
+
+    import torch.distributed as dist
+
+    from megatron_rl.launch.groups import init_split_parallel_state
+    from megatron_rl.weights.sync import build_sync_groups, receive_weights, send_weights, sync_topology
+
+    world = dist.get_world_size()
+    lc = cfg.learner
+    role = init_split_parallel_state(num_learner_ranks, lc.tp, lc.pp, lc.ep, seed=cfg.trainer.seed)
+    groups = build_sync_groups(sync_topology(num_learner_ranks, lc.tp, lc.pp, lc.cp, range(num_learner_ranks, world)))
+    engine_rank = num_learner_ranks
+    out: Dict[str, Any] = {"role": role}
+    if role == "learner":
+        from megatron_rl.learner.learner import Learner
+        from megatron_rl.weights.reshard import full_state
+
+        learner = Learner(cfg, VOCAB)
+        learner.train_step(copy.deepcopy(batch()), 1.0, lr=1e-2)  # weights that differ from any init
+        stats = send_weights(learner.module, cfg.model, groups, version=1, bucket_bytes=bucket_bytes)
+        out["send"] = None if stats is None else (stats.bytes, stats.buckets, stats.seconds)
+        out["stage_state"] = full_state(learner.module)
+        box = [None]
+        dist.broadcast_object_list(box, src=engine_rank, group=dist.group.WORLD)  # the engine's trajectories
+        trajs = box[0]
+        out["learner_logprobs"] = learner.compute_logprobs(trajs, 1.0)
+        out["engine_logprobs"] = [t.logprobs for t in trajs]
+        out["versions"] = sorted({v for t in trajs for v in t.versions})
+    else:
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+        from megatron_rl.types import SamplingParams
+
+        version, tensors, stats = receive_weights(groups)
+        out["received"] = (version, len(tensors), stats.bytes, stats.buckets)
+
+        async def generate():
+            from engine_helpers import generate_all
+
+            engine = EmbeddedEngine(cfg.model, VOCAB, seed=3)
+            await engine.pause()
+            await engine.update_weights(tensors.items(), version=version)
+            await engine.resume()
+            prompts = [[(7 * i + j) % 40 + 1 for j in range(2 + 3 * i)] for i in range(6)]
+            trajs = await generate_all(engine, prompts, SamplingParams(max_new_tokens=12))
+            state = {k: v.clone() for k, v in engine.model.state_dict().items() if isinstance(v, torch.Tensor)}
+            await engine.shutdown()
+            return trajs, state
+
+        trajs, out["engine_state"] = asyncio.run(generate())
+        dist.broadcast_object_list([trajs], src=engine_rank, group=dist.group.WORLD)
+    return out
