@@ -126,3 +126,19 @@ def sync_case(cfg: RootConfig, num_learner_ranks: int, bucket_bytes: int) -> Dic
         trajs, out["engine_state"] = asyncio.run(generate())
         dist.broadcast_object_list([trajs], src=engine_rank, group=dist.group.WORLD)
     return out
+
+
+def critic_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Trajectory]) -> Dict[str, Any]:
+    """Build a critic (PPO's value model) at ``cfg``'s layout with the reference's full weights:
+    its values for ``trajs``, one training step on their returns, and its stage's gathered weights."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_rl.learner.critic import Critic
+    from megatron_rl.weights.reshard import full_state, load_into_learner
+
+    critic = Critic(cfg, VOCAB)
+    load_into_learner(critic, full)
+    values = critic.compute_values(trajs)
+    metrics = critic.train_step(copy.deepcopy(trajs))
+    return {"tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "values": values, "metrics": metrics, "weights": full_state(critic.module)}

@@ -18,6 +18,7 @@ from ..models.value_model import build_value_model
 from ..types import Trajectory
 from .batch import MicroBatch
 from .learner import forward_logits
+from .parallel import init_model_parallel
 from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
                             wrap_for_training)
 
@@ -28,6 +29,7 @@ class Critic:
         self.cfg = cfg
         self.pad_id = pad_id
         lc = cfg.learner
+        init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)  # no-op after the learner's
         self.device = model_device()
         init = policy if cfg.critic.init_from_policy else None
         model = build_value_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep, policy=init)
