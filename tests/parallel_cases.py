@@ -142,3 +142,36 @@ def critic_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Traj
     metrics = critic.train_step(copy.deepcopy(trajs))
     return {"tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
             "values": values, "metrics": metrics, "weights": full_state(critic.module)}
+
+
+def disk_case(cfg: RootConfig, num_learner_ranks: int, directory: str) -> Dict[str, Any]:
+    """Like ``sync_case`` but through the disk fallback: learners write version 1 under
+    ``directory``, the engine rank (no process group with them needed) reads it back and loads it."""
+    import asyncio
+
+    from megatron_rl.launch.groups import init_split_parallel_state
+    from megatron_rl.weights.disk import read_weights, send_weights_to_disk
+
+    lc = cfg.learner
+    role = init_split_parallel_state(num_learner_ranks, lc.tp, lc.pp, lc.ep, seed=cfg.trainer.seed)
+    if role == "learner":
+        from megatron_rl.learner.learner import Learner
+        from megatron_rl.weights.reshard import full_state
+
+        learner = Learner(cfg, VOCAB)
+        learner.train_step(copy.deepcopy(batch()), 1.0, lr=1e-2)
+        stats = send_weights_to_disk(learner.module, cfg.model, directory, version=1, bucket_bytes=16 << 10)
+        return {"role": role, "written": None if stats is None else stats.bytes, "stage_state": full_state(learner.module)}
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    tensors, stats = read_weights(directory, version=1, stages=lc.pp, timeout_s=120)
+
+    async def load():
+        engine = EmbeddedEngine(cfg.model, VOCAB, seed=3)
+        await engine.pause()
+        await engine.update_weights(tensors.items(), version=1)
+        state = {k: v.clone() for k, v in engine.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        await engine.shutdown()
+        return state
+
+    return {"role": role, "read": stats.bytes, "engine_state": asyncio.run(load())}

@@ -37,8 +37,9 @@ ALLOWED = {
 # Values that the design names but this release does not run yet: say so instead of "invalid".
 NOT_YET = {
     ("rollout.engine", "vllm"): "the vLLM engine is tracked in issue 6; use rollout.engine=embedded",
-    ("rollout.placement", "disaggregated"): "disaggregated placement arrives with the torchrun "
-    "world split (issue 4); use rollout.placement=colocated",
+    ("rollout.placement", "disaggregated"): "in one process; launch the torchrun world split "
+    "(`torchrun --nproc-per-node N -m megatron_rl.launch ... rollout.placement=disaggregated`) "
+    "or use rollout.placement=colocated",
 }
 
 
