@@ -82,7 +82,7 @@ def test_value_clip_holds_values_near_the_old_ones_across_epochs(megatron_world)
 
     free, free_metrics = first_response_values_after(0.0)
     clipped, metrics = first_response_values_after(0.01)
-    assert free_metrics["critic/value_clip_fraction"] == 0.0 and metrics["critic/value_clip_fraction"] > 0.2
+    assert free_metrics["critic/value_clip_fraction"] == 0.0 and metrics["critic/value_clip_fraction"] > 0.1
     # Towards a return of 1 from 0: the clipped critic stops soon after passing 0.01.
     assert max(clipped) < 0.05 and min(free) > 2 * max(clipped), (free, clipped)
 
