@@ -191,7 +191,8 @@ class VLLMAdapter:
     def dead_reason(self) -> Optional[str]:
         """Why the engine cannot serve any more (None while it can)."""
         if self.llm.errored:
-            return f"vLLM engine core is dead ({type(self.llm.dead_error).__name__})"
+            codes = [getattr(p, "exitcode", None) for p in self._processes()]
+            return f"vLLM engine core is dead ({type(self.llm.dead_error).__name__}; engine process exit codes {codes})"
         return None
 
     @staticmethod
@@ -200,10 +201,13 @@ class VLLMAdapter:
 
         return isinstance(err, EngineDeadError)
 
+    def _processes(self) -> list:
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", []) or [])
+
     def engine_pids(self) -> List[int]:
         """Process ids of the engine-core processes (for health checks and tests)."""
-        procs = getattr(self.llm.engine_core.resources, "engine_manager", None)
-        return [p.pid for p in getattr(procs, "processes", [])] if procs is not None else []
+        return [p.pid for p in self._processes()]
 
     def shutdown(self) -> None:
         self.llm.shutdown()
