@@ -277,6 +277,33 @@ def test_tiny_recipe_trains_with_the_vllm_engine(tmp_path):
     print(f"tiny_cpu + vLLM, {TRAIN_STEPS} steps in {time.perf_counter() - start:.0f} s: reward "
           f"{first:.3f} (first 10) -> {last:.3f} (last 10); generate "
           f"{sum(r['perf/generate_tokens_per_s'] for r in rows) / len(rows):.0f} tokens/s")
-    assert last >= first + 0.1, (first, last)
+    assert last >= first + 0.15, (first, last)  # measured 0.047 -> 0.345
     # η = 1: samples are at most one version old (versions come from vLLM's weight_versions).
     assert max(r["staleness/max"] for r in rows) <= 1
+
+
+def test_run_stops_with_one_clear_error_when_the_vllm_engine_dies(megatron_world, tmp_path):
+    """Killing vLLM's engine core mid-run: requests in flight fail, their prompts go back to the
+    queue, and the run ends with RolloutsStopped naming the dead engine (no hang, no retries)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.scheduler.controller import RolloutsStopped
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [*VLLM_MODEL, "trainer.total_steps=50", f"trainer.run_dir={tmp_path}",
+                                   "trainer.progress=false", "trainer.save_final_checkpoint=false",
+                                   "algo.groups_per_batch=4", "algo.group_size=4"])
+    trainer = Trainer(cfg)
+    real_after_step = trainer.after_step
+
+    async def kill_at_step_3(step, *args):
+        await real_after_step(step, *args)
+        if step == 3:
+            for pid in trainer.engine.engine_pids():
+                os.kill(pid, signal.SIGKILL)
+
+    trainer.after_step = kill_at_step_3
+    with pytest.raises(RolloutsStopped, match="vLLM engine core is dead") as info:
+        trainer.run()
+    assert "\n" not in str(info.value)
+    assert trainer.ledger.balanced()
+    assert trainer.ledger.counts["returned_stopped"] >= 1
