@@ -324,3 +324,45 @@ def test_engine_throughput_bench_prints_both_engines():
     assert len(rows) == 2, result.stdout
     assert all(line.split()[-3] == "32" for line in rows), rows  # 4 requests x 8 tokens each
     assert "Exception ignored" not in result.stderr
+
+
+def test_a_hung_engine_is_detected_and_its_requests_fail(megatron_world):
+    """An engine core that stops answering (SIGSTOP here) is declared hung after the health
+    timeout: the request waiting on it fails with an EngineError, later calls too, and shutdown
+    kills the stopped process instead of waiting on it."""
+    cfg = _cfg()
+
+    async def run():
+        engine = VLLMEngine(cfg.model, VOCAB, max_batch_size=8, seed=1, cpu_threads=1,
+                            health_interval_s=0.5, health_timeout_s=3.0)
+        pids = engine.engine_pids()
+        try:
+            stream = engine.generate("r0", [1, 2, 3], SamplingParams(max_new_tokens=200, stream=True))
+            await stream.__anext__()
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            start = time.perf_counter()
+            with pytest.raises(EngineError, match="hung"):
+                async for _ in stream:
+                    pass
+            waited = time.perf_counter() - start
+            with pytest.raises(EngineError, match="hung"):
+                await engine.pause()
+            return waited
+        finally:
+            await engine.shutdown()
+            assert all(not _alive(pid) for pid in pids)
+
+    waited = asyncio.run(asyncio.wait_for(run(), timeout=180))
+    print(f"hung engine detected after {waited:.1f} s")
+    assert 2.5 <= waited <= 30, waited
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child not yet reaped by its parent is a zombie: gone for our purpose.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"

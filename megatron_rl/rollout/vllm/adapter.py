@@ -189,6 +189,16 @@ class VLLMAdapter:
             await self.llm.wake_up()
 
     # ------------------------------------------------------------------ health
+    async def ping(self) -> None:
+        """A round trip to the engine core (answered between its steps, paused or not)."""
+        await self.llm.is_paused()
+
+    def kill(self) -> None:
+        """SIGKILL the engine-core processes (a hung core does not answer a polite shutdown)."""
+        for proc in self._processes():
+            if proc.is_alive():
+                proc.kill()
+
     def dead_reason(self) -> Optional[str]:
         """Why the engine cannot serve any more (None while it can)."""
         if self.llm is None:

@@ -43,9 +43,12 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
                  initial_weights: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  cpu_threads: Optional[int] = None, kv_cache_gb: int = 1, tp: int = 1,
-                 version: int = 0):
+                 version: int = 0, health_interval_s: float = 5.0, health_timeout_s: float = 120.0):
         """``initial_weights``: HF-named tensors to start from (random dummy weights when None;
-        the trainer pushes the learner's before the first rollout anyway)."""
+        the trainer pushes the learner's before the first rollout anyway). Every
+        ``health_interval_s`` a probe goes to the engine core; one unanswered for
+        ``health_timeout_s`` (longer than any engine step) marks the engine hung: requests in
+        flight fail and the engine is killed."""
         self.model_cfg = model_cfg
         self._tmp = tempfile.TemporaryDirectory(prefix="megatron_rl_vllm_")
         model_dir = write_model_dir(Path(self._tmp.name) / "model", model_cfg, vocab_size, initial_weights)
@@ -61,6 +64,9 @@ class VLLMEngine(RolloutEngine):
         self._paused = False
         self._failure: Optional[str] = None
         self._in_flight: set = set()
+        self._health_interval_s, self._health_timeout_s = health_interval_s, health_timeout_s
+        self._dead: Optional[asyncio.Future] = None  # resolved when the engine is found dead or hung
+        self._monitor: Optional[asyncio.Task] = None
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -87,6 +93,7 @@ class VLLMEngine(RolloutEngine):
         if len(prompt_ids) + params.max_new_tokens > self.model_cfg.max_position_embeddings:
             raise EngineError(f"request {request_id}: {len(prompt_ids)} prompt + {params.max_new_tokens} new "
                               f"tokens exceed model.max_position_embeddings={self.model_cfg.max_position_embeddings}")
+        self._ensure_monitor()
         await self._ensure_version_label()
         self.stats.requests += 1
         self._in_flight.add(request_id)
@@ -96,7 +103,10 @@ class VLLMEngine(RolloutEngine):
             stream = self._vllm.generate(request_id, list(prompt_ids), params.temperature, params.top_p,
                                          params.top_k, params.max_new_tokens, params.stop_token_ids,
                                          params.seed, params.stream)
-            async for out in stream:
+            while True:
+                out = await self._next(stream)
+                if out is None:
+                    break
                 versions = self._versions(out, emitted)
                 emitted += len(out.token_ids)
                 self.stats.tokens += len(out.token_ids)
@@ -167,12 +177,51 @@ class VLLMEngine(RolloutEngine):
         await self._call(self._vllm.wake_up)
 
     async def shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
         try:
+            if self._failure is not None:
+                self._vllm.kill()  # dead or hung: nothing to drain
             self._vllm.shutdown()
         finally:
             self._tmp.cleanup()
 
     # ------------------------------------------------------------------ internals
+    async def _next(self, stream) -> Optional[adapter.Output]:
+        """The stream's next output (None at its end), or an EngineError as soon as the engine is
+        found dead or hung (a hung core would otherwise leave the request waiting forever)."""
+        step = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait({step, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():
+            step.cancel()
+            raise EngineError(self._failure)
+        try:
+            return step.result()
+        except StopAsyncIteration:
+            return None
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None:
+            self._dead = asyncio.get_running_loop().create_future()
+            self._monitor = asyncio.get_running_loop().create_task(self._watch(), name="vllm-health")
+            if self._failure is not None:
+                self._dead.set_result(None)
+
+    async def _watch(self) -> None:
+        """Probe the engine core while it lives; a dead or hung core fails everything waiting."""
+        while self._failure is None:
+            await asyncio.sleep(self._health_interval_s)
+            if self.failure is not None:
+                return
+            try:
+                await asyncio.wait_for(self._vllm.ping(), self._health_timeout_s)
+            except asyncio.TimeoutError:
+                self._set_failure(f"vLLM engine core did not answer a health probe within "
+                                  f"{self._health_timeout_s:.0f} s (hung)")
+            except Exception as err:  # noqa: BLE001 - a failed probe is a dead engine
+                self._set_failure(self._vllm.dead_reason() or f"vLLM engine health probe failed ({err!r})")
+
     async def _ensure_version_label(self) -> None:
         if not self._version_ready:
             self._version_ready = True
@@ -196,7 +245,16 @@ class VLLMEngine(RolloutEngine):
         """Await a vLLM call; a dead engine becomes an EngineError with the recorded reason."""
         self._check_alive()
         try:
-            return await fn(*args)
+            if self._dead is None:
+                return await fn(*args)
+            call = asyncio.ensure_future(fn(*args))
+            await asyncio.wait({call, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():  # found dead or hung meanwhile: do not wait on it for ever
+                call.cancel()
+                raise EngineError(self._failure)
+            return call.result()
+        except EngineError:
+            raise
         except Exception as err:  # noqa: BLE001
             reason = self._vllm.dead_reason()
             if reason or adapter.VLLMAdapter.is_dead_error(err):
@@ -212,6 +270,8 @@ class VLLMEngine(RolloutEngine):
         if self._failure is None:
             self._failure = reason
             logger.error("%s; %d requests in flight fail", reason, len(self._in_flight))
+            if self._dead is not None and not self._dead.done():
+                self._dead.set_result(None)
 
 
 def _finish_reason(reason: Optional[str]) -> Optional[str]:
