@@ -7,7 +7,8 @@ while paused. Each token carries the policy version that sampled it: the final o
 are authoritative; streamed chunks before the final one are tagged with the version the engine
 held when they arrived (pause() returns only after the step in flight has been delivered).
 
-A dead engine core (killed, crashed) fails every request in flight and every later call with an
+A dead engine core (killed, crashed), or a hung one (a health probe unanswered for
+``health_timeout_s``), fails every request in flight and every later call with an
 ``EngineError``; ``failure`` says why, so the trainer stops the run with one line and the
 controller returns the prompts to the queue, as for the embedded engine's process.
 """
@@ -67,6 +68,7 @@ class VLLMEngine(RolloutEngine):
         self._health_interval_s, self._health_timeout_s = health_interval_s, health_timeout_s
         self._dead: Optional[asyncio.Future] = None  # resolved when the engine is found dead or hung
         self._monitor: Optional[asyncio.Task] = None
+        self._warned_truncation = False
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -93,6 +95,11 @@ class VLLMEngine(RolloutEngine):
         if len(prompt_ids) + params.max_new_tokens > self.model_cfg.max_position_embeddings:
             raise EngineError(f"request {request_id}: {len(prompt_ids)} prompt + {params.max_new_tokens} new "
                               f"tokens exceed model.max_position_embeddings={self.model_cfg.max_position_embeddings}")
+        if (params.top_k > 0 or params.top_p < 1.0) and not self._warned_truncation:
+            self._warned_truncation = True
+            logger.warning("vLLM with top_k=%d / top_p=%g reports logprobs of the truncated, renormalised "
+                           "distribution (what is sampled from); the learner's are untruncated",
+                           params.top_k, params.top_p)
         self._ensure_monitor()
         await self._ensure_version_label()
         self.stats.requests += 1
