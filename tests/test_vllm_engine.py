@@ -156,6 +156,10 @@ def test_pause_update_resume_mid_request_tags_every_token(served, loop):
         versions, tokens, logprobs, finish = [], [], [], None
         paused_at = None
         waiting = None
+        # Beside the streamed request, a final-only one (the trainer's kind): its versions come
+        # from vLLM's weight_versions spans alone.
+        final_only = asyncio.ensure_future(generate_all(
+            engine, [[1, 2, 3, 4]], SamplingParams(max_new_tokens=150, stream=False), tag="final"))
         async for chunk in engine.generate("span", [1, 2, 3, 4], SamplingParams(max_new_tokens=150, stream=True)):
             tokens += chunk.token_ids
             logprobs += chunk.logprobs
@@ -172,9 +176,9 @@ def test_pause_update_resume_mid_request_tags_every_token(served, loop):
                 await engine.update_weights(new.export_hf_weights(), version=2)
                 await engine.resume()
         late = await waiting
-        return tokens, logprobs, versions, finish, paused_at, late
+        return tokens, logprobs, versions, finish, paused_at, late, (await final_only)[0]
 
-    tokens, logprobs, versions, finish, paused_at, (late,) = loop.run_until_complete(run())
+    tokens, logprobs, versions, finish, paused_at, (late,), final = loop.run_until_complete(run())
     from megatron_rl.types import Trajectory
     traj = Trajectory("span", 0, [1, 2, 3, 4], tokens, logprobs, versions, finish)
     assert finish == "length" and len(tokens) == 150
@@ -185,6 +189,11 @@ def test_pause_update_resume_mid_request_tags_every_token(served, loop):
     gap_old = _gap(old, [traj], keep=lambda v: v == 1)
     assert gap_old <= TOLERANCE, gap_old
     assert late.versions == [2] * 20
+    # The final-only request ran in the same batches: its spans switch at (about) the same token.
+    assert len(final.versions) == 150 and final.versions == sorted(final.versions), final.versions
+    final_switch = final.versions.index(2)
+    assert abs(final_switch - switch) <= 2, (final_switch, switch)
+    assert _gap(old, [final], keep=lambda v: v == 1) <= TOLERANCE
     gap_late = _gap(new, [late])
     print(f"gap v1 tokens vs old weights {gap_old:.2e}; request after the update vs new weights {gap_late:.2e}")
     assert gap_late <= TOLERANCE, gap_late
