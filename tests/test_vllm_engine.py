@@ -240,7 +240,8 @@ def test_a_killed_engine_fails_its_requests_with_a_clear_error(megatron_world):
             stream = engine.generate("r0", [1, 2, 3], SamplingParams(max_new_tokens=200, stream=True))
             first = await stream.__anext__()
             pids = engine.engine_pids()
-            assert pids
+            workers = [pid for pid, _ in engine._vllm._workers]
+            assert pids and workers
             for pid in pids:
                 os.kill(pid, signal.SIGKILL)
             with pytest.raises(EngineError, match="dead"):
@@ -252,12 +253,14 @@ def test_a_killed_engine_fails_its_requests_with_a_clear_error(megatron_world):
             with pytest.raises(EngineError, match="dead"):
                 async for _ in engine.generate("r1", [1, 2], SamplingParams(max_new_tokens=4)):
                     pass
-            return first
+            return first, workers
         finally:
             await engine.shutdown()
 
-    first = asyncio.run(asyncio.wait_for(run(), timeout=180))
+    first, workers = asyncio.run(asyncio.wait_for(run(), timeout=180))
     assert first.token_ids
+    time.sleep(1)
+    assert not [pid for pid in workers if _alive(pid)], "vLLM workers outlived their killed engine core"
 
 
 VLLM_MODEL = ["recipe=tiny_cpu_vllm"]  # tiny_cpu, a head_dim-64 model, rollout.engine=vllm
@@ -359,7 +362,8 @@ def test_a_hung_engine_is_detected_and_its_requests_fail(megatron_world):
             return waited
         finally:
             await engine.shutdown()
-            assert all(not _alive(pid) for pid in pids)
+            time.sleep(1)
+            assert not [pid for pid in pids + [w for w, _ in engine._vllm._workers] if _alive(pid)]
 
     waited = asyncio.run(asyncio.wait_for(run(), timeout=180))
     print(f"hung engine detected after {waited:.1f} s")

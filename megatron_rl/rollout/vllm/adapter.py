@@ -137,6 +137,9 @@ class VLLMAdapter:
         )
         with _child_environment(cpu_threads):
             self.llm = AsyncLLM.from_engine_args(args)
+        # The engine core's own children (its workers), recorded while it lives: when the core is
+        # killed they are orphaned and would linger, so kill() ends them too.
+        self._workers = _descendants([p.pid for p in self._processes()])
 
     # ------------------------------------------------------------------ requests
     async def generate(self, request_id: str, prompt_ids: List[int], temperature: float, top_p: float,
@@ -198,6 +201,15 @@ class VLLMAdapter:
         for proc in self._processes():
             if proc.is_alive():
                 proc.kill()
+        import psutil
+
+        for pid, created in self._workers:
+            try:
+                worker = psutil.Process(pid)
+                if worker.create_time() == created:  # the same process, not a reused pid
+                    worker.kill()
+            except psutil.Error:
+                pass  # already gone
 
     def dead_reason(self) -> Optional[str]:
         """Why the engine cannot serve any more (None while it can)."""
@@ -233,6 +245,19 @@ class VLLMAdapter:
         # interpreter exit that raised (module globals already gone).
         del llm
         gc.collect()
+
+
+def _descendants(pids: List[int]) -> List[Tuple[int, float]]:
+    """(pid, start time) of every descendant of ``pids``."""
+    import psutil
+
+    out: List[Tuple[int, float]] = []
+    for pid in pids:
+        try:
+            out += [(c.pid, c.create_time()) for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return out
 
 
 def write_safetensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], path: str) -> int:
