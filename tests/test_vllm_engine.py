@@ -367,7 +367,9 @@ def test_a_hung_engine_is_detected_and_its_requests_fail(megatron_world):
 
     waited = asyncio.run(asyncio.wait_for(run(), timeout=180))
     print(f"hung engine detected after {waited:.1f} s")
-    assert 2.5 <= waited <= 30, waited
+    # Detected within the timeout plus one probe interval (less when the probe in flight at the
+    # SIGSTOP was already waiting on a busy core); never a wait for ever.
+    assert waited <= 30, waited
 
 
 def _alive(pid: int) -> bool:
