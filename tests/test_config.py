@@ -21,7 +21,6 @@ def test_tiny_cpu_loads_and_overrides():
     [
         ("algo.name=ppo_typo", "algo.name='ppo_typo' is not allowed; choose one of"),
         ("rollout.engine=sglang", "rollout.engine='sglang' is not allowed"),
-        ("rollout.engine=vllm", "issue 6"),
         ("rollout.top_p=1.5", "rollout.top_p=1.5 must be in (0, 1]"),
         ("algo.group_size=1", "algo.group_size=1 must be >= 2"),
         ("learner.lr=-1", "learner.lr=-1.0 must be > 0"),
@@ -103,3 +102,13 @@ def test_cli_malformed_row_prints_one_error_line(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("megatron_rl: error: ") and "train.jsonl:2: missing field 'answer'" in last
     assert "Traceback" not in result.stderr
+
+
+def test_vllm_engine_is_accepted_where_vllm_is_installed():
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs vLLM, which is not installed"):
+            load_config("tiny_cpu", ["rollout.engine=vllm"])
+    else:
+        assert load_config("tiny_cpu", ["rollout.engine=vllm"]).rollout.engine == "vllm"

