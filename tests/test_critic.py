@@ -83,8 +83,9 @@ def test_value_clip_holds_values_near_the_old_ones_across_epochs(megatron_world)
     free, free_metrics = first_response_values_after(0.0)
     clipped, metrics = first_response_values_after(0.01)
     assert free_metrics["critic/value_clip_fraction"] == 0.0 and metrics["critic/value_clip_fraction"] > 0.1
-    # Towards a return of 1 from 0: the clipped critic stops soon after passing 0.01.
-    assert max(clipped) < 0.05 and min(free) > 2 * max(clipped), (free, clipped)
+    # Towards a return of 1 from 0: the first step (lr 1e-2) moves both critics alike; from then on
+    # the clipped one has passed old + 0.01 and stops, the free one goes on to ~0.9.
+    assert max(clipped) < 0.15 and min(free) > 0.5, (free, clipped)
 
 
 def test_gae_assignment_matches_the_pure_function():
