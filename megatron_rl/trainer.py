@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .algorithms import compute_advantages
+from .algorithms.advantages import assign_group_advantages
 from .algorithms.kl import kl_shaped_reward
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.resume import CountingIterator, capture_rng, load_newest_good, restore_rng
@@ -187,12 +187,7 @@ class Trainer:
             self.critic.fill_values(flat)
             assign_gae_advantages(flat, a.gamma, a.lam, a.gae_whiten)
             return
-        rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
-        lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
-        adv = compute_advantages(a.name, rewards, lengths, a.adv_eps, a.normalize_adv_by_std)
-        for grp, row in zip(groups, adv.tolist()):
-            for traj, value in zip(grp, row):
-                traj.advantage = value
+        assign_group_advantages(groups, a)
 
     def log_samples(self, step: int, prompts: Sequence[Prompt], groups: List[List[Trajectory]], n: int = 4) -> None:
         """A few decoded responses per logged step, for a person reading the run directory."""

@@ -112,3 +112,11 @@ def test_vllm_engine_is_accepted_where_vllm_is_installed():
             load_config("tiny_cpu", ["rollout.engine=vllm"])
     else:
         assert load_config("tiny_cpu", ["rollout.engine=vllm"]).rollout.engine == "vllm"
+
+
+def test_torchrun_launcher_refuses_ppo_with_a_critic():
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="algo.name=gae .* single-process trainer"):
+        load_config("tiny_cpu", ["algo.name=gae"], distributed=True)
+    assert load_config("tiny_cpu", ["algo.name=gae"]).algo.name == "gae"

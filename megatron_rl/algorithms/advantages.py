@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Sequence
+
 import torch
+
+if TYPE_CHECKING:
+    from ..types import Trajectory
 
 
 def group_relative_advantages(rewards: torch.Tensor, normalize_by_std: bool = True,
@@ -76,3 +81,18 @@ def compute_advantages(name: str, rewards: torch.Tensor, lengths: torch.Tensor, 
     if name in ("reinforce_pp", "reinforce_pp_baseline"):
         return batch_whitened_advantages(rewards, lengths, name == "reinforce_pp_baseline", eps)
     raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}")
+
+
+def assign_group_advantages(groups: Sequence[Sequence["Trajectory"]], algo) -> None:
+    """Set each trajectory's sequence advantage from its group's rewards with ``algo.name``'s
+    estimator (``algo`` is the AlgoConfig). PPO with a critic (gae) is per token and needs the
+    critic's values: learner/critic.py assigns those."""
+    if algo.name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algo.name={algo.name!r} needs a critic's values; only the single-process trainer "
+                         f"builds a critic so far; group estimators: {ADVANTAGE_ESTIMATORS}")
+    rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
+    lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
+    adv = compute_advantages(algo.name, rewards, lengths, algo.adv_eps, algo.normalize_adv_by_std)
+    for grp, row in zip(groups, adv.tolist()):
+        for traj, value in zip(grp, row):
+            traj.advantage = value

@@ -189,4 +189,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
                 f"{key}={_get(cfg, key)} is not available yet in one process: launch the torchrun "
                 f"world split (`torchrun --nproc-per-node N -m megatron_rl.launch ...`) or use {key}=1"
             )
+    if distributed and cfg.algo.name == "gae":
+        raise ConfigError("algo.name=gae (PPO with a critic) runs in the single-process trainer for now, not in "
+                          f"the torchrun launcher; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     return cfg

@@ -353,15 +353,9 @@ class _Driver:
                                                            rc.overlong_penalty)
 
     def _advantages(self, groups: List[List[Trajectory]]) -> None:
-        from ..algorithms import compute_advantages
+        from ..algorithms.advantages import assign_group_advantages
 
-        a = self.cfg.algo
-        rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
-        lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
-        adv = compute_advantages(a.name, rewards, lengths, a.adv_eps, a.normalize_adv_by_std)
-        for grp, row in zip(groups, adv.tolist()):
-            for t, value in zip(grp, row):
-                t.advantage = value
+        assign_group_advantages(groups, self.cfg.algo)
 
     @staticmethod
     def _batch_metrics(flat: Sequence[Trajectory]) -> Dict[str, float]:
