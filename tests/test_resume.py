@@ -4,7 +4,6 @@ checkpoint is skipped with a warning; the pieces (random states, prompt stream p
 ledger's unfinished prompts) round-trip."""
 
 import json
-import os
 import random
 import signal
 import subprocess

@@ -20,7 +20,6 @@ from itertools import islice
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 from ..config.schema import RootConfig
