@@ -1,4 +1,5 @@
-"""Run one function on N gloo ranks from a pytest test, and hand each rank's return value back.
+"""Run one function on N ranks (gloo on CPU by default, or NCCL on GPUs) from a pytest test, and
+hand each rank's return value back.
 
     from multiprocess import run_ranks
     results = run_ranks(my_fn, world_size=2, args=(cfg,), timeout_s=120)   # [rank0, rank1]
@@ -17,6 +18,12 @@ Failure modes are turned into one clear test failure each:
   few seconds before that each prints its threads' stacks to stderr (where it hangs).
 The rendezvous port is chosen at run time; if another process takes it before rank 0 binds it,
 the whole launch is retried on a new port.
+
+Backend: ``MEGATRON_RL_TEST_BACKEND=nccl`` runs the same tests on GPUs, one GPU per rank (rank r
+on cuda:r, as torchrun's LOCAL_RANK would place it), with an NCCL process group; a test that needs
+more ranks than there are GPUs is skipped with the reason. Tensors in a rank's return value are
+moved to the CPU before they travel back, so the test compares them on one device whatever the
+backend. Unset (or ``gloo``) is the CPU default that CI runs.
 """
 
 from __future__ import annotations
@@ -33,7 +40,41 @@ import warnings
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-__all__ = ["run_ranks", "RankFailed", "RankTimeout", "free_port"]
+__all__ = ["run_ranks", "RankFailed", "RankTimeout", "free_port", "backend", "BACKEND_ENV"]
+
+BACKEND_ENV = "MEGATRON_RL_TEST_BACKEND"
+_BACKENDS = ("gloo", "nccl")
+
+
+def backend() -> str:
+    """The process-group backend the ranks use: $MEGATRON_RL_TEST_BACKEND, gloo when unset."""
+    name = os.environ.get(BACKEND_ENV, "gloo").strip().lower() or "gloo"
+    if name not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={name!r} is not a backend the harness runs; choose one of {', '.join(_BACKENDS)}")
+    return name
+
+
+def _skip_without_gpus(world_size: int) -> None:
+    """Under NCCL every rank needs a GPU of its own (NCCL refuses two ranks on one device)."""
+    import pytest
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if world_size > count:
+        pytest.skip(f"{BACKEND_ENV}=nccl: {world_size} ranks need {world_size} GPUs, {count} present")
+
+
+def _to_cpu(value: Any) -> Any:
+    """``value`` with every tensor inside dicts, lists and tuples moved to the CPU."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):  # not namedtuples
+        return type(value)(_to_cpu(v) for v in value)
+    return value
 
 
 class RankFailed(AssertionError):
@@ -52,7 +93,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: Sequence[Any],
-               env: Dict[str, str], timeout_s: float, results: "std_mp.Queue") -> None:
+               env: Dict[str, str], timeout_s: float, results: "std_mp.Queue", backend_name: str = "gloo") -> None:
     """Body of one spawned rank: set up the torchrun-like environment, run ``fn``, report."""
     os.environ.update(env)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -68,10 +109,14 @@ def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any], ar
         import torch.distributed as dist
 
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        if backend_name == "nccl":
+            torch.cuda.set_device(rank)  # before the group: NCCL binds each rank to its device
         # The collective timeout matches the harness's, so a rank blocked on a dead peer errors
         # out on its own too (the parent kills it regardless).
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend_name, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         value = fn(*args)
+        if backend_name == "nccl":
+            value = _to_cpu(value)  # CUDA tensors would come back on this rank's device
         faulthandler.cancel_dump_traceback_later()
         # Pickled here with the plain pickler: tensors travel as bytes, so the result stays
         # valid after this process exits (torch's shared-memory queue handles would not).
@@ -99,10 +144,13 @@ def _port_in_use(text: str) -> bool:
 
 def run_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (), timeout_s: float = 300.0,
               env: Optional[Dict[str, str]] = None, port_retries: int = 3) -> List[Any]:
-    """Run ``fn(*args)`` on ``world_size`` spawned gloo ranks; return the values by rank.
+    """Run ``fn(*args)`` on ``world_size`` spawned ranks (gloo, or NCCL when
+    $MEGATRON_RL_TEST_BACKEND=nccl); return the values by rank.
 
     Raises ``RankFailed`` (a rank's traceback) or ``RankTimeout`` (after ``timeout_s`` seconds,
-    all ranks killed)."""
+    all ranks killed); skips the calling test under NCCL when there are fewer GPUs than ranks."""
+    if backend() == "nccl":
+        _skip_without_gpus(world_size)
     for attempt in range(port_retries):
         try:
             return _launch(fn, world_size, args, timeout_s, dict(env or {}))
@@ -119,7 +167,7 @@ def _launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any], timeou
     results: "std_mp.Queue" = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
-                         args=(rank, world_size, port, fn, args, env, timeout_s, results))
+                         args=(rank, world_size, port, fn, args, env, timeout_s, results, backend()))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

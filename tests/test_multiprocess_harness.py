@@ -58,3 +58,37 @@ def test_a_hang_fails_within_the_timeout_and_kills_every_rank():
     import multiprocessing
 
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
+
+
+def _device_of_rank():
+    return torch.zeros(2).device.type
+
+
+def test_backend_comes_from_the_environment(monkeypatch):
+    from multiprocess import BACKEND_ENV, backend
+
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert backend() == "gloo"  # the CPU default CI runs
+    monkeypatch.setenv(BACKEND_ENV, "NCCL")
+    assert backend() == "nccl"
+    monkeypatch.setenv(BACKEND_ENV, "mpi")
+    with pytest.raises(ValueError, match="MEGATRON_RL_TEST_BACKEND='mpi'"):
+        backend()
+
+
+def test_nccl_skips_when_there_are_fewer_gpus_than_ranks(monkeypatch):
+    from multiprocess import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, "nccl")
+    need = torch.cuda.device_count() + 1
+    with pytest.raises(pytest.skip.Exception, match=f"{need} ranks need {need} GPUs"):
+        run_ranks(_device_of_rank, need, timeout_s=60)
+
+
+def test_tensors_come_back_on_the_cpu():
+    from multiprocess import _to_cpu
+
+    value = {"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "x"}
+    out = _to_cpu(value)
+    assert out["a"][0].device.type == "cpu" and isinstance(out["a"][1], tuple) and out["a"][1][1] == 3
+    assert out["b"] == "x"
