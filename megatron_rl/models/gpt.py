@@ -175,6 +175,8 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     apply_cpu_patches()
     make_thread_safe()
     use_te = te_available()
+    if cfg.num_experts and not use_te:
+        _router_gemm_without_te()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
     config = transformer_config(cfg, tp, pp, ep, initialize)
     model = GPTModel(
@@ -194,6 +196,16 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     if cuda_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def _router_gemm_without_te() -> None:
+    """megatron-core 0.16.1's moe_utils defines ``te_general_gemm`` only when its TransformerEngine
+    imports succeed, yet the router reads the name (NameError on CPU, and on a GPU without TE):
+    None selects the router's plain torch matmul. (The CPU patches set it too.)"""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def model_device() -> torch.device:
