@@ -29,6 +29,7 @@ from .algorithms.kl import kl_shaped_reward
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint.resume import CountingIterator, capture_rng, load_newest_good, restore_rng
 from .config.schema import RootConfig
+from .config.validate import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.critic import Critic, assign_gae_advantages
@@ -37,6 +38,7 @@ from .models.convert import export_hf_checkpoint
 from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner
 from .rewards.shaping import overlong_penalty
+from .rollout.device import resolve_engine_device
 from .rollout.embedded import EmbeddedEngine, EngineProcess
 from .rollout.workflow import single_turn
 from .rollout.engine import EngineError
@@ -76,8 +78,18 @@ def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]
     return (cores - cores // 2 if own_process else engine), engine
 
 
+def engine_gpu(cfg: RootConfig) -> Optional[int]:
+    """``rollout.device`` on this machine: the GPU of the engine process (None: the default).
+    A GPU the machine lacks is a ConfigError, raised before the learner is built."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    try:
+        return resolve_engine_device(cfg.rollout.device, gpus)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
-                 engine_threads: int):
+                 engine_threads: int, device_index: Optional[int] = None):
     r = cfg.rollout
     if r.engine == "vllm":
         # Imported here: the vLLM package is optional. Its engine core runs in a process of its
@@ -88,7 +100,7 @@ def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: T
                           tp=r.tp)
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                             recompute_kv_on_update=r.recompute_kv_on_update)
+                             recompute_kv_on_update=r.recompute_kv_on_update, device_index=device_index)
     # Without overlap the engine computes on the learner's thread: one thread team for the cores.
     return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
                           executor=None if overlap else learner_executor,
@@ -114,6 +126,7 @@ def lr_at(cfg: RootConfig, step: int) -> float:
 class Trainer:
     def __init__(self, cfg: RootConfig):
         self.cfg = cfg
+        device_index = engine_gpu(cfg)
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
         self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
@@ -131,7 +144,7 @@ class Trainer:
         # PPO with GAE: a value model with the policy's layout, starting from its weights.
         self.critic = (Critic(cfg, vocab, self.tokenizer.pad_id, self.learner.module)
                        if cfg.algo.name == "gae" else None)
-        self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads)
+        self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
                                     name=f"reward {cfg.reward.name}")
         r = cfg.rollout

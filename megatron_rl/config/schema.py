@@ -126,6 +126,10 @@ class RolloutConfig:
     # Run the embedded engine in a child process: its own Python interpreter, so on a CPU its
     # decode loop and the learner's step do not take turns on one interpreter lock.
     separate_process: bool = False
+    # Where that engine process computes: auto (the learner's device) | cuda:N (GPU N, e.g. cuda:1
+    # for learner on cuda:0 and engine on cuda:1: disaggregated on one machine). Needs
+    # separate_process=true; a GPU the machine lacks is an error when the engine starts.
+    device: str = "auto"
 
 
 @dataclass

@@ -70,6 +70,26 @@ def _positive(cfg: Any, keys: Iterable[str], strict: bool = True) -> None:
             raise ConfigError(f"{key}={value!r} must be {bound}")
 
 
+def _engine_device(cfg: RootConfig, distributed: bool) -> None:
+    """rollout.device: its syntax and the settings it needs. Whether the GPU exists is checked
+    where the engine starts (a config may be written on a machine without GPUs)."""
+    from ..rollout.device import parse_engine_device
+
+    r = cfg.rollout
+    try:
+        index = parse_engine_device(r.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if index is None:
+        return
+    if distributed:
+        raise ConfigError(f"rollout.device={r.device} is for the single-process trainer; the torchrun launcher "
+                          "places engines by rank (rollout.placement), so leave rollout.device=auto")
+    if r.engine != "embedded" or not r.separate_process:
+        raise ConfigError(f"rollout.device={r.device} places the embedded engine's own process: it needs "
+                          "rollout.engine=embedded and rollout.separate_process=true")
+
+
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     """Check every value of a resolved config; raise ConfigError naming the first bad key.
 
@@ -178,6 +198,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {needed} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
+    _engine_device(cfg, distributed)
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "

@@ -29,8 +29,10 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if cuda_available() else "gloo"
-    if cuda_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if cuda_available() and "LOCAL_RANK" in os.environ:
+        # torchrun's placement; a world of one keeps the current device (cuda:0 unless the
+        # process chose another, as an engine process on rollout.device=cuda:N does).
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend=backend)
     else:

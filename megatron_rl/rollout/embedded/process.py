@@ -38,12 +38,14 @@ _WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 class EngineProcess(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
-                 cpu_threads: int = 1, recompute_kv_on_update: bool = False, start_timeout_s: float = 300.0):
+                 cpu_threads: int = 1, recompute_kv_on_update: bool = False, start_timeout_s: float = 300.0,
+                 device_index: Optional[int] = None):
+        """``device_index``: the GPU the child computes on (None: CUDA's default device, cuda:0)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         options = dict(model_cfg=dataclasses.asdict(model_cfg), vocab_size=vocab_size,
                        max_batch_size=max_batch_size, seed=seed, cpu_threads=cpu_threads,
-                       recompute_kv_on_update=recompute_kv_on_update)
+                       recompute_kv_on_update=recompute_kv_on_update, device_index=device_index)
         self._proc = ctx.Process(target=_child_main, args=(child, options), name="embedded-engine", daemon=True)
         self._proc.start()
         child.close()
@@ -228,6 +230,10 @@ def _child_main(conn, options: Dict[str, Any]) -> None:
 
         setup_logging()
         torch.set_num_threads(options["cpu_threads"])
+        if options["device_index"] is not None:
+            # Before anything touches CUDA: the model, its KV cache and the sampler's generator
+            # are all built on the current device.
+            torch.cuda.set_device(options["device_index"])
         init_model_parallel(1, 1, seed=options["seed"])
         engine = EmbeddedEngine(ModelConfig(**options["model_cfg"]), options["vocab_size"],
                                 options["max_batch_size"], seed=options["seed"],
