@@ -31,3 +31,18 @@ def test_async_vs_sync_bench_prints_its_table():
     lines = out.stdout.splitlines()
     assert any(line.split()[:1] == ["0"] for line in lines) and any(line.split()[:1] == ["1"] for line in lines)
     assert "speed-up" in out.stdout
+
+
+def test_placement_bench_runs_the_colocated_layout_on_a_cpu(tmp_path):
+    """tools/bench/placement_gpu.py end to end where no GPU exists: the colocated row only (the
+    disaggregated one needs a second GPU); its table has steps/hour and the final reward."""
+    root = TOOLS.parent
+    out = subprocess.run(
+        [sys.executable, str(TOOLS / "bench/placement_gpu.py"), "--recipe", "tiny_cpu", "--steps", "3", "--eta", "1",
+         "--skip", "1", "--placements", "colocated", "algo.groups_per_batch=2", "algo.group_size=4",
+         "learner.mini_batches=1"],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["colocated"])
+    assert float(row[2]) > 0 and float(row[3]) > 0  # s/step, steps/hour
+    assert "rollout.separate_process=true rollout.device=auto" in out.stdout

@@ -4,13 +4,17 @@ walked over PP stages, HF-named, bucketed) to rollout engines on other ranks, on
     python tools/bench/weight_sync.py                                  # ~106M-parameter model, TP=2 -> 1 engine
     python tools/bench/weight_sync.py --tp 1 --pp 2 --engines 2 --buckets 16,64,256
     python tools/bench/weight_sync.py --hidden 1536 --layers 28 --ffn 8960 --vocab 151936 --heads 12 --groups 2
+    python tools/bench/weight_sync.py --tp 2 --engines 0      # gather + pack only (no engine rank)
 
 Every rank is a spawned process on this machine (gloo on CPU, NCCL when CUDA is present; one GPU
 per rank). The learner side is a bare Megatron GPTModel at the given layout (no optimizer: the
 sync reads weights only); engines receive into fresh buffers (loading them into an engine model
 is not counted). Each bucket size is timed over --repeats syncs after one warm-up; the table
 gives the median, measured on the engine (first header received to last bucket unpacked) and on
-the stage-0 source (first gather to last broadcast).
+the stage-0 source (first gather to last broadcast); on GPUs each side synchronises its device
+before reading the clock. ``--engines 0`` times the learner side alone (TP/PP gathers, HF names,
+packing; the broadcasts go to a group of the source only), e.g. a TP=2 learner on a 2-GPU machine,
+where an engine on a third GPU is not available.
 """
 
 from __future__ import annotations
@@ -68,6 +72,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, results) -
             else:
                 _, tensors, stats = receive_weights(groups)
                 del tensors
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the last bucket's copies may still be queued
             seconds = time.perf_counter() - start
             if stats is not None:
                 nbytes = stats.bytes
@@ -97,6 +103,11 @@ def main(argv: List[str] | None = None) -> int:
     import multiprocessing as mp
 
     world = args.tp * args.pp + args.engines
+    gpus = _gpu_count()
+    if gpus and world > gpus:
+        # NCCL needs a GPU per rank (two ranks on one device are refused).
+        p.error(f"learner tp*pp={args.tp * args.pp} + {args.engines} engine(s) = {world} ranks, but this machine has "
+                f"{gpus} GPU(s); lower --engines (0 times the learner side alone) or use a bigger machine")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -120,17 +131,21 @@ def main(argv: List[str] | None = None) -> int:
     out.sort()
     nbytes = max(o[3] for o in out)
     params = nbytes // (4 if args.dtype == "fp32" else 2)  # what one sync carries: the full model
-    engine = next(o for o in out if o[1] == "engine")
+    engine = next((o for o in out if o[1] == "engine"), None)
     source = out[0]
     print(f"model: {args.layers} layers, hidden {args.hidden}, ffn {args.ffn}, vocab {args.vocab}, {args.dtype}; "
           f"{params / 1e6:.1f}M parameters; {nbytes / 1e6:.1f} MB per sync")
+    device = _device_name()
     print(f"layout: learner tp={args.tp} pp={args.pp} -> {args.engines} engine(s); world {world} on "
-          f"{os.cpu_count()} CPU cores ({'NCCL' if _cuda() else 'gloo'})")
-    print(f"{'bucket MiB':>10}  {'engine s':>9}  {'engine GB/s':>11}  {'source s':>9}")
+          f"{device} ({'NCCL' if _cuda() else 'gloo'})")
+    print(f"{'bucket MiB':>10}  {'engine s':>9}  {'engine GB/s':>11}  {'source s':>9}  {'source GB/s':>11}")
     for mb in args.buckets:
-        e = statistics.median(engine[4][mb])
         s = statistics.median(source[4][mb])
-        print(f"{mb:>10}  {e:>9.3f}  {nbytes / e / 1e9:>11.3f}  {s:>9.3f}")
+        if engine is None:
+            print(f"{mb:>10}  {'-':>9}  {'-':>11}  {s:>9.3f}  {nbytes / s / 1e9:>11.3f}")
+            continue
+        e = statistics.median(engine[4][mb])
+        print(f"{mb:>10}  {e:>9.3f}  {nbytes / e / 1e9:>11.3f}  {s:>9.3f}  {nbytes / s / 1e9:>11.3f}")
     return 0
 
 
@@ -138,6 +153,20 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, one GPU per rank"
+    return f"{os.cpu_count()} CPU cores"
 
 
 if __name__ == "__main__":
