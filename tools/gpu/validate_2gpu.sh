@@ -54,7 +54,7 @@ cat "$OUT/env.log"
 
 section "1. equivalence tests over NCCL"
 # test_weight_sync needs 3 ranks (learner TP/PP/EP=2 + an engine): skipped here, with its reason.
-MEGATRON_RL_TEST_BACKEND=nccl timeout -k 10 170 "$PY" -m pytest -s -ra -p no:cacheprovider \
+MEGATRON_RL_TEST_BACKEND=nccl timeout -k 10 150 "$PY" -m pytest -s -ra -p no:cacheprovider \
   tests/test_learner_parallel.py tests/test_weight_sync.py 2>&1 | tee "$OUT/equivalence.log"
 
 section "2. weight sync over NCCL"
@@ -68,7 +68,7 @@ section "2. weight sync over NCCL"
 
 section "3. placement: colocated vs disaggregated, eta = 4"
 RUNS="$(mktemp -d)"
-timeout -k 10 280 "$PY" tools/bench/placement_gpu.py --steps "$STEPS" --eta 4 --skip 2 --run-root "$RUNS" \
+timeout -k 10 250 "$PY" tools/bench/placement_gpu.py --steps "$STEPS" --eta 4 --skip 2 --run-root "$RUNS" \
   "data.path=$GSM8K" algo.groups_per_batch=8 rollout.max_new_tokens=64 2>&1 | tee "$OUT/placement.log"
 for p in colocated disaggregated; do
   [ -f "$RUNS/$p/metrics.jsonl" ] && cp "$RUNS/$p/metrics.jsonl" "$OUT/metrics_$p.jsonl"
