@@ -35,11 +35,13 @@ from .data.datasets import Prompt
 from .learner.critic import Critic, assign_gae_advantages
 from .learner.learner import Learner
 from .models.convert import export_hf_checkpoint
+from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner
 from .rewards.shaping import overlong_penalty
 from .rollout.device import resolve_engine_device
 from .rollout.embedded import EmbeddedEngine, EngineProcess
+from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.workflow import single_turn
 from .rollout.engine import EngineError
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
@@ -129,7 +131,9 @@ class Trainer:
         device_index = engine_gpu(cfg)
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
-        self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner")
+        # The learner computes on this thread, bound to this process's device (CUDA's is per thread).
+        self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner", initializer=bind_thread_to_device,
+                                                   initargs=(model_device(),))
         overlap = cfg.scheduler.mode == "async" and cfg.scheduler.max_staleness > 0
         learner_threads, engine_threads = compute_threads(cfg, overlap)
         if learner_threads:

@@ -64,7 +64,9 @@ def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Tra
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
         "ep_rank": ps.get_expert_model_parallel_rank(),
-        "roundtrip_max_err": max((loaded_back[k] - full[k]).abs().max().item() for k in loaded_back),
+        # (full is on the CPU; on a GPU rank the model's tensors are on its cuda device)
+        "roundtrip_max_err": max((loaded_back[k] - full[k].to(loaded_back[k].device)).abs().max().item()
+                                 for k in loaded_back),
         "logprobs": logprobs,
         "metrics": metrics,
         "weights": full_state(learner.module),

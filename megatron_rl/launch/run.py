@@ -20,6 +20,7 @@ from itertools import islice
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from ..config.schema import RootConfig
@@ -150,7 +151,9 @@ class _LocalEngine:
         self.loop = asyncio.new_event_loop()
         self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size,
                                     seed=cfg.trainer.seed + 1 + dist.get_rank(), cpu_threads=1,
-                                    recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
+                                    recompute_kv_on_update=cfg.rollout.recompute_kv_on_update,
+                                    # this rank's GPU (the child would otherwise start on cuda:0)
+                                    device_index=torch.cuda.current_device() if torch.cuda.is_available() else None)
 
     def push(self, version: int) -> Tuple[float, int]:
         """Every learner rank: gather the full weights, load them into this rank's engine."""

@@ -76,6 +76,15 @@ class EngineStats:
     decode_s: float = 0.0
 
 
+def bind_thread_to_device(device: torch.device) -> None:
+    """Initializer of a compute thread. CUDA's current device is per thread, and a new thread
+    starts on cuda:0 whatever its creator chose; Megatron builds tensors on the current device
+    during the forward (seen on 2 H200s: an engine on cuda:1 met cuda:0 tensors and every request
+    failed). No-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
@@ -91,7 +100,8 @@ class EmbeddedEngine(RolloutEngine):
         self._version = version
         self._recompute_kv_on_update = recompute_kv_on_update
         self._owns_executor = executor is None
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="embedded-engine")
+        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="embedded-engine",
+                                                        initializer=bind_thread_to_device, initargs=(self.device,))
         self._pending: Deque[_Request] = deque()
         self._running: Dict[str, _Request] = {}  # taken from the queue, final chunk not yet sent
         self._batch: List[_Request] = []  # the KV cache's rows, in order (finished rows included)
