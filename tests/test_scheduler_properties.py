@@ -179,3 +179,43 @@ def test_controller_stops_when_every_group_is_filtered():
     asyncio.run(run())
     assert ledger.counts["filtered"] > 3 * 2 and ledger.counts["consumed"] == 0
     assert ledger.balanced()
+
+
+def test_controller_stops_when_every_group_fails():
+    """An engine that answers but fails every request (seen on a GPU: an engine on the wrong
+    device): the run stops with RolloutsStopped naming the error after max_failed_batches
+    batches' worth of failed groups, every prompt back in the queue, instead of retrying forever.
+    One success resets the count."""
+    import asyncio
+
+    import pytest
+
+    from megatron_rl.scheduler.controller import AsyncController, RolloutsStopped
+
+    manager = StalenessManager(max_staleness=1, groups_per_batch=2, max_concurrent=4)
+    ledger = PromptLedger(_prompts(), manager)
+    calls = []
+
+    async def rollout(ticket):
+        await asyncio.sleep(0)
+        calls.append(ticket.index)
+        if len(calls) == 3:  # one success early on resets the streak
+            return _group(ticket, 0)
+        raise RuntimeError("Expected all tensors to be on the same device")
+
+    async def publish(version):
+        pass
+
+    controller = AsyncController(ledger, rollout, lambda batch, v: {}, publish, max_failed_batches=3)
+
+    async def on_step(*args):
+        pass
+
+    async def run():
+        with pytest.raises(RolloutsStopped, match="6 rollout groups in a row failed.*same device"):
+            await asyncio.wait_for(controller.run(5, on_step), timeout=30)
+        await controller.drain()
+
+    asyncio.run(run())
+    assert ledger.counts["returned_error"] >= 2 + 6 and ledger.counts["consumed"] == 0
+    assert ledger.balanced()

@@ -36,7 +36,8 @@ class RolloutsStopped(RuntimeError):
 
 class AsyncController:
     def __init__(self, ledger: PromptLedger, rollout: RolloutFn, train: TrainFn, publish: PublishFn,
-                 timeline=None, train_executor: Optional[Executor] = None, max_filtered_batches: int = 20):
+                 timeline=None, train_executor: Optional[Executor] = None, max_filtered_batches: int = 20,
+                 max_failed_batches: int = 3):
         self.ledger = ledger
         self.rollout = rollout
         self.train = train
@@ -46,6 +47,10 @@ class AsyncController:
         self.train_executor = train_executor
         # Stop when this many batches' worth of groups in a row were filtered (DAPO's cap).
         self.max_filtered_batches = max_filtered_batches
+        # Stop when this many batches' worth of groups in a row failed (an engine that answers
+        # but fails every request): retrying their prompts would loop forever without training.
+        self.max_failed_batches = max_failed_batches
+        self._failed_streak = 0
         self.version = 0
         self._changed: Optional[asyncio.Condition] = None
         self._tasks: set = set()
@@ -109,6 +114,15 @@ class AsyncController:
             async with self._changed:
                 await self._changed.wait()
 
+    def _count_failure(self, err: BaseException) -> None:
+        self._failed_streak += 1
+        limit = self.max_failed_batches * self.ledger.staleness.groups_per_batch
+        if self._failed_streak >= limit and self._stopped is None:
+            self._stopped = RolloutsStopped(
+                f"{self._failed_streak} rollout groups in a row failed and none succeeded (the last: {err!r}); "
+                f"their prompts are back in the queue. The engine answers but cannot complete requests: "
+                f"see logs/train.log for its errors (a wrong device, a model it cannot run, ...)")
+
     async def _run_group(self, ticket: Ticket) -> None:
         try:
             trajectories = await self.rollout(ticket)
@@ -118,13 +132,16 @@ class AsyncController:
         except GroupFailed as err:
             logger.info("group %s returned to the queue: %s", ticket.prompt.uid, err)
             self.ledger.fail(ticket, "aborted")
+            self._count_failure(err)
         except RolloutsStopped as err:
             self.ledger.fail(ticket, "stopped")
             self._stopped = err
         except Exception as err:  # noqa: BLE001 - an engine error must not lose the prompt
             logger.warning("group %s failed (%r); prompt returned to the queue", ticket.prompt.uid, err)
             self.ledger.fail(ticket, "error")
+            self._count_failure(err)
         else:
+            self._failed_streak = 0
             self.ledger.finish(ticket, trajectories)
             limit = self.max_filtered_batches * self.ledger.staleness.groups_per_batch
             if self.ledger.filtered_streak > limit and self._stopped is None:

@@ -68,6 +68,9 @@ class EngineProcess(RolloutEngine):
         self._call_ids = itertools.count()
         self._failure: Optional[str] = None
         self._closing = False
+        # Requests made in one event-loop turn go down the pipe as one message (a group's G
+        # samples, a whole batch at η = 0): one pickle and one wake-up of the child instead of G.
+        self._outbox: list = []
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -87,7 +90,7 @@ class EngineProcess(RolloutEngine):
         self._streams[request_id] = queue
         finished = False
         try:
-            self._send(("generate", request_id, list(prompt_ids), params))
+            self._post(("generate", request_id, list(prompt_ids), params))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -140,6 +143,26 @@ class EngineProcess(RolloutEngine):
 
     # ------------------------------------------------------------------ plumbing
     def _send(self, message: tuple) -> None:
+        """Send now, after any posted requests (the child sees messages in the order made)."""
+        self._flush()
+        self._write(message)
+
+    def _post(self, message: tuple) -> None:
+        """Send at the end of this event-loop turn, together with the others posted in it."""
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append(message)
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._write(batch[0] if len(batch) == 1 else ("batch", batch))
+        except EngineError:
+            pass  # recorded as the engine's failure: every stream waiting on it fails
+
+    def _write(self, message: tuple) -> None:
         try:
             with self._send_lock:
                 self._conn.send(message)
@@ -180,7 +203,10 @@ class EngineProcess(RolloutEngine):
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "chunk":
+        if kind == "batch":
+            for item in message[1]:
+                self._dispatch(item)
+        elif kind == "chunk":
             _, request_id, chunk = message
             queue = self._streams.get(request_id)
             if queue is not None:
@@ -249,6 +275,9 @@ class _ChildServer:
     def __init__(self, conn, engine) -> None:
         self.conn, self.engine = conn, engine
         self.tasks: Dict[str, asyncio.Task] = {}
+        # Chunks finished in one event-loop turn (often a whole decode step's worth of requests)
+        # go up as one message, followed by the engine's counters once.
+        self.outbox: list = []
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -260,8 +289,9 @@ class _ChildServer:
                     message = self.conn.recv()
                 except (EOFError, OSError):  # the parent is gone: stop
                     message = ("call", -1, "shutdown", ())
-                loop.call_soon_threadsafe(inbox.put_nowait, message)
-                if message[0] == "call" and message[2] == "shutdown":
+                messages = message[1] if message[0] == "batch" else [message]
+                loop.call_soon_threadsafe(lambda batch=messages: [inbox.put_nowait(m) for m in batch])
+                if any(m[0] == "call" and m[2] == "shutdown" for m in messages):
                     return
 
         threading.Thread(target=read, name="engine-inbox", daemon=True).start()
@@ -288,14 +318,29 @@ class _ChildServer:
     async def stream(self, request_id: str, prompt_ids, params: SamplingParams) -> None:
         try:
             async for chunk in self.engine.generate(request_id, prompt_ids, params):
-                self.reply(("chunk", request_id, chunk))
-            self.reply(("stats", self.engine.stats))
+                self.post(("chunk", request_id, chunk))
         except Exception as err:  # noqa: BLE001 - the parent raises it for this request
-            self.reply(("error", request_id, str(err)))
+            self.post(("error", request_id, str(err)))
         finally:
             self.tasks.pop(request_id, None)
 
+    def post(self, message: tuple) -> None:
+        """Send at the end of this event-loop turn, with the others posted in it."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self.outbox.append(message)
+
+    def flush(self) -> None:
+        if self.outbox:
+            batch, self.outbox = self.outbox + [("stats", self.engine.stats)], []
+            self.send(("batch", batch))
+
     def reply(self, message: tuple) -> None:
+        """A call's reply goes now, after the chunks posted before it."""
+        self.flush()
+        self.send(message)
+
+    def send(self, message: tuple) -> None:
         try:
             self.conn.send(message)
         except (BrokenPipeError, OSError):
