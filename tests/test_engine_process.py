@@ -13,7 +13,7 @@ from megatron_rl.rollout.embedded import EngineProcess
 from megatron_rl.rollout.engine import EngineError
 from megatron_rl.types import SamplingParams
 
-from engine_helpers import generate_all
+from engine_helpers import generate_all, kill_engine_after_step
 
 VOCAB = 48
 
@@ -83,14 +83,7 @@ def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_worl
         "trainer.save_final_checkpoint=false", "scheduler.max_staleness=1", "rollout.separate_process=true",
         "algo.groups_per_batch=4", "algo.group_size=4"])
     trainer = Trainer(cfg)
-    real_after_step = trainer.after_step
-
-    async def kill_at_step_3(step, *args):
-        await real_after_step(step, *args)
-        if step == 3:
-            os.kill(trainer.engine._proc.pid, signal.SIGKILL)
-
-    trainer.after_step = kill_at_step_3
+    kill_engine_after_step(trainer, 3, lambda: [trainer.engine._proc.pid])
     with pytest.raises(RolloutsStopped, match="engine process exited"):
         trainer.run()
     assert trainer.ledger.balanced()

