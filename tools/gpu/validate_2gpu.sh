@@ -36,7 +36,7 @@ GSM8K="${GSM8K:-$ROOT/.data/gsm8k/train.jsonl}"
 
 section() { echo "=== $1 ($(date -u +%H:%M:%S))"; }
 
-# The engine process receives each weight version as CPU tensors in shared memory (~2.6 GB at
+# On a CPU the engine process receives each weight version in shared memory (~2.6 GB at
 # this shape): a small /dev/shm (container default 64 MB) fails that, so give it room where we can.
 shm_kb="$(df -k --output=avail /dev/shm 2>/dev/null | tail -n 1 | tr -d ' ')"
 if [ -n "$shm_kb" ] && [ "$shm_kb" -lt $((16 << 20)) ]; then

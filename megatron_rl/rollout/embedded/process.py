@@ -26,6 +26,7 @@ from ...config.schema import ModelConfig
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
 from .engine import EngineStats
+from .packed import pack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class EngineProcess(RolloutEngine):
         """``device_index``: the GPU the child computes on (None: CUDA's default device, cuda:0)."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
+        self._device_index = device_index
         options = dict(model_cfg=dataclasses.asdict(model_cfg), vocab_size=vocab_size,
                        max_batch_size=max_batch_size, seed=seed, cpu_threads=cpu_threads,
                        recompute_kv_on_update=recompute_kv_on_update, device_index=device_index)
@@ -117,10 +119,21 @@ class EngineProcess(RolloutEngine):
         await self._call("resume")
 
     async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
-        # Fresh contiguous copies: their storage is what torch hands to the child.
-        tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in named_tensors}
-        await self._call("update_weights", tensors, version)
+        # Packed into fresh buffers, whose storage torch hands to the child (shared memory on a
+        # CPU, a CUDA IPC handle on a GPU, on the engine's own GPU when it has one). They stay
+        # alive here until the child has copied them into its model and replied.
+        packed = pack_weights(named_tensors, self._weights_device())
+        await self._call("update_weights", packed, version)
         self._version = version
+        del packed
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()  # free the buffers of earlier updates the child has released
+
+    def _weights_device(self) -> Optional[torch.device]:
+        """Where to pack: the engine's GPU when it has its own, else where the weights are."""
+        if self._device_index is not None and torch.cuda.is_available():
+            return torch.device("cuda", self._device_index)
+        return None
 
     async def sampling_state(self) -> Optional[bytes]:
         return await self._call("sampling_state")
