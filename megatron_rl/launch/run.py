@@ -254,6 +254,11 @@ class _Driver:
         self.loop = asyncio.new_event_loop()
         self.steps_done = 0
         logger.info("split world:\n%s", plan.table())
+        if cfg.scheduler.max_staleness > 0:
+            # Said once, where a person reads the run: the recipe asked for overlap it will not get.
+            logger.warning("scheduler.max_staleness=%d: the torchrun split world runs the synchronous loop "
+                           "(generate, train, sync; eta = 0) for now; the asynchronous controller runs in the "
+                           "single-process trainer (python -m megatron_rl.main)", cfg.scheduler.max_staleness)
 
     def run(self) -> Dict[str, float]:
         from ..trainer import lr_at
