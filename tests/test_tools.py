@@ -21,16 +21,17 @@ def test_plot_timeline_draws_every_span(tmp_path):
 
 
 def test_async_vs_sync_bench_prints_its_table():
-    """The benchmark runs end to end (a few steps of a small recipe) and prints both rows."""
+    """The benchmark runs end to end (a few steps of a small recipe, the pair twice) and prints a
+    row per run, the median speed-up with each pair's, and the overlap ceiling."""
     root = TOOLS.parent
     out = subprocess.run(
         [sys.executable, str(TOOLS / "bench/async_vs_sync.py"), "--recipe", "tiny_cpu", "--steps", "3",
-         "--eta", "1", "algo.groups_per_batch=2", "algo.group_size=4", "learner.mini_batches=1"],
+         "--eta", "1", "--repeats", "2", "algo.groups_per_batch=2", "algo.group_size=4", "learner.mini_batches=1"],
         capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = out.stdout.splitlines()
-    assert any(line.split()[:1] == ["0"] for line in lines) and any(line.split()[:1] == ["1"] for line in lines)
-    assert "speed-up" in out.stdout
+    rows = [line.split()[0] for line in out.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert rows == ["0", "1", "0", "1"]
+    assert "speed-up" in out.stdout and "(runs: " in out.stdout and "overlap ceiling" in out.stdout
 
 
 def test_placement_bench_runs_the_colocated_layout_on_a_cpu(tmp_path):

@@ -1,6 +1,6 @@
 """Benchmark: one recipe with η = 0 (synchronous) and η = 4 (asynchronous), side by side.
 
-    python tools/bench/async_vs_sync.py [--recipe longtail_cpu] [--steps 200] [--eta 4] [override ...]
+    python tools/bench/async_vs_sync.py [--recipe longtail_cpu] [--steps 200] [--eta 4] [--repeats 1] [override ...]
 
 Runs `python -m megatron_rl.main` once per η (fresh processes, same seed, one after the other so
 they do not share cores) and prints, for each: wall time to N steps, the final reward (mean of the
@@ -13,7 +13,9 @@ It also prints where a step's time goes, per step after the first five: generati
 learner's wait for its batch; η > 0: the engine's compute, on its own core) and training. An
 asynchronous step cannot be shorter than its slower side, so on a CPU split between learner and
 engine the speed-up is at most (gen₀ + train₀) / max(gen_η, train_η); the table shows that ceiling
-next to the measured ratio.
+next to the measured ratio. A shared or throttling machine can change a run's speed by a quarter
+from one minute to the next: --repeats R runs the pair R times, alternating, and reports the
+median ratio.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 
-def run(recipe: str, steps: int, eta: int, overrides, root: Path) -> dict:
-    run_dir = root / f"eta{eta}"
+def run(recipe: str, steps: int, eta: int, overrides, root: Path, repeat: int = 0) -> dict:
+    run_dir = root / f"eta{eta}-{repeat}"
     cmd = [sys.executable, "-m", "megatron_rl.main", f"recipe={recipe}", f"trainer.total_steps={steps}",
            f"scheduler.max_staleness={eta}", f"trainer.run_dir={run_dir}", "trainer.progress=false",
            "trainer.save_final_checkpoint=false", *overrides]
@@ -67,21 +69,26 @@ def main() -> None:
     parser.add_argument("--recipe", default="longtail_cpu")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eta", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=1, help="run the pair this many times, alternating")
     args, overrides = parser.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
-        results = [run(args.recipe, args.steps, eta, overrides, Path(tmp)) for eta in (0, args.eta)]
+        pairs = [[run(args.recipe, args.steps, eta, overrides, Path(tmp), k) for eta in (0, args.eta)]
+                 for k in range(args.repeats)]
     print(f"recipe={args.recipe} steps={args.steps} {' '.join(overrides)}")
     print(f"{'eta':>4} {'wall s':>8} {'steps s':>8} {'final reward':>15} {'resp len':>9} "
           f"{'longest':>8} {'staleness':>10} {'engine busy':>12} {'gen s/step':>11} {'train s/step':>13}")
-    for r in results:
-        reward = f"{r['final_reward']:.3f}±{r['reward_se']:.3f}"
-        print(f"{r['eta']:>4} {r['wall_s']:>8.1f} {r['steps_s']:>8.1f} {reward:>15} "
-              f"{r['length']:>9.1f} {r['longest']:>8.1f} {r['staleness']:>10.2f} {r['busy']:>12.2f} "
-              f"{r['generate_s']:>11.3f} {r['train_s']:>13.3f}")
-    sync, other = results
-    ceiling = (sync["generate_s"] + sync["train_s"]) / max(other["generate_s"], other["train_s"], 1e-9)
-    print(f"speed-up (time to {args.steps} steps, eta=0 / eta={args.eta}): {sync['steps_s'] / other['steps_s']:.2f}x "
-          f"(overlap ceiling from the split above: {ceiling:.2f}x)")
+    ratios, ceilings = [], []
+    for sync, other in pairs:
+        for r in (sync, other):
+            reward = f"{r['final_reward']:.3f}±{r['reward_se']:.3f}"
+            print(f"{r['eta']:>4} {r['wall_s']:>8.1f} {r['steps_s']:>8.1f} {reward:>15} "
+                  f"{r['length']:>9.1f} {r['longest']:>8.1f} {r['staleness']:>10.2f} {r['busy']:>12.2f} "
+                  f"{r['generate_s']:>11.3f} {r['train_s']:>13.3f}")
+        ratios.append(sync["steps_s"] / other["steps_s"])
+        ceilings.append((sync["generate_s"] + sync["train_s"]) / max(other["generate_s"], other["train_s"], 1e-9))
+    spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
+    print(f"speed-up (time to {args.steps} steps, eta=0 / eta={args.eta}): {np.median(ratios):.2f}x{spread}; "
+          f"overlap ceiling from the split above: {np.median(ceilings):.2f}x")
 
 
 if __name__ == "__main__":
