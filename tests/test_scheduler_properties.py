@@ -147,14 +147,36 @@ def test_stale_group_is_evicted_and_retried():
     assert manager.accepted == 0 and ledger.balanced()
 
 
+async def _publish_nothing(version):
+    pass
+
+
+def _run_until_stopped(controller, match: str, steps: int = 5) -> None:
+    """Run ``controller`` for ``steps`` training steps, expecting it to stop with RolloutsStopped
+    matching ``match`` within 30 s (a hang fails the test), then let its rollouts finish."""
+    import asyncio
+
+    import pytest
+
+    from megatron_rl.scheduler.controller import RolloutsStopped
+
+    async def on_step(*args):
+        pass
+
+    async def run():
+        with pytest.raises(RolloutsStopped, match=match):
+            await asyncio.wait_for(controller.run(steps, on_step), timeout=30)
+        await controller.drain()
+
+    asyncio.run(run())
+
+
 def test_controller_stops_when_every_group_is_filtered():
     """Dynamic sampling on a task every group ties on: the run stops with RolloutsStopped after
     max_filtered_batches batches' worth of filtered groups instead of admitting forever."""
     import asyncio
 
-    import pytest
-
-    from megatron_rl.scheduler.controller import AsyncController, RolloutsStopped
+    from megatron_rl.scheduler.controller import AsyncController
 
     manager = StalenessManager(max_staleness=1, groups_per_batch=2, max_concurrent=4)
     ledger = PromptLedger(_prompts(), manager, filter_equal_rewards=True)
@@ -163,20 +185,8 @@ def test_controller_stops_when_every_group_is_filtered():
         await asyncio.sleep(0)
         return _group(ticket, 0, equal_rewards=True)
 
-    async def publish(version):
-        pass
-
-    controller = AsyncController(ledger, rollout, lambda batch, v: {}, publish, max_filtered_batches=3)
-
-    async def on_step(*args):
-        pass
-
-    async def run():
-        with pytest.raises(RolloutsStopped, match="all-equal rewards"):
-            await asyncio.wait_for(controller.run(5, on_step), timeout=30)
-        await controller.drain()
-
-    asyncio.run(run())
+    _run_until_stopped(AsyncController(ledger, rollout, lambda batch, v: {}, _publish_nothing, max_filtered_batches=3),
+                       "all-equal rewards")
     assert ledger.counts["filtered"] > 3 * 2 and ledger.counts["consumed"] == 0
     assert ledger.balanced()
 
@@ -188,9 +198,7 @@ def test_controller_stops_when_every_group_fails():
     One success resets the count."""
     import asyncio
 
-    import pytest
-
-    from megatron_rl.scheduler.controller import AsyncController, RolloutsStopped
+    from megatron_rl.scheduler.controller import AsyncController
 
     manager = StalenessManager(max_staleness=1, groups_per_batch=2, max_concurrent=4)
     ledger = PromptLedger(_prompts(), manager)
@@ -203,19 +211,7 @@ def test_controller_stops_when_every_group_fails():
             return _group(ticket, 0)
         raise RuntimeError("Expected all tensors to be on the same device")
 
-    async def publish(version):
-        pass
-
-    controller = AsyncController(ledger, rollout, lambda batch, v: {}, publish, max_failed_batches=3)
-
-    async def on_step(*args):
-        pass
-
-    async def run():
-        with pytest.raises(RolloutsStopped, match="6 rollout groups in a row failed.*same device"):
-            await asyncio.wait_for(controller.run(5, on_step), timeout=30)
-        await controller.drain()
-
-    asyncio.run(run())
+    _run_until_stopped(AsyncController(ledger, rollout, lambda batch, v: {}, _publish_nothing, max_failed_batches=3),
+                       "6 rollout groups in a row failed.*same device")
     assert ledger.counts["returned_error"] >= 2 + 6 and ledger.counts["consumed"] == 0
     assert ledger.balanced()

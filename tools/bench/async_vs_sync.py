@@ -21,27 +21,15 @@ median ratio.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
+from training_runs import train
 
 
 def run(recipe: str, steps: int, eta: int, overrides, root: Path, repeat: int = 0) -> dict:
-    run_dir = root / f"eta{eta}-{repeat}"
-    cmd = [sys.executable, "-m", "megatron_rl.main", f"recipe={recipe}", f"trainer.total_steps={steps}",
-           f"scheduler.max_staleness={eta}", f"trainer.run_dir={run_dir}", "trainer.progress=false",
-           "trainer.save_final_checkpoint=false", *overrides]
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"run with eta={eta} failed:\n{result.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows, wall = train(recipe, steps, eta, root / f"eta{eta}-{repeat}", overrides, f"eta={eta}")
     tail = rows[-20:]
     steady = rows[5:] or rows
     if eta == 0:

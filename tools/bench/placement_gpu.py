@@ -16,15 +16,12 @@ and the mean weight-sync seconds. Extra arguments are config overrides applied t
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Dict, List
 
 import numpy as np
+from training_runs import train
 
 PLACEMENTS = ("colocated", "disaggregated")
 
@@ -35,17 +32,8 @@ def placement_overrides(placement: str, engine_gpu: int) -> List[str]:
 
 
 def run(placement: str, args: argparse.Namespace, overrides: List[str], root: Path) -> Dict[str, float]:
-    run_dir = root / placement
-    cmd = [sys.executable, "-m", "megatron_rl.main", f"recipe={args.recipe}", f"trainer.total_steps={args.steps}",
-           f"scheduler.max_staleness={args.eta}", f"trainer.run_dir={run_dir}", "trainer.progress=false",
-           "trainer.save_final_checkpoint=false", *placement_overrides(placement, args.engine_gpu), *overrides]
-    print("+", " ".join(cmd), flush=True)
-    start = time.perf_counter()
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        raise SystemExit(f"{placement} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows, wall = train(args.recipe, args.steps, args.eta, root / placement,
+                       [*placement_overrides(placement, args.engine_gpu), *overrides], placement, echo=True)
     timed = rows[args.skip:] or rows  # the first steps include engine start-up and CUDA warm-up
     step_s = float(np.mean([r["time/step_s"] for r in timed]))
     return {
