@@ -3,10 +3,11 @@
 Inside one process the learner and the engine share the Python interpreter lock, so on a CPU
 (where both are Python-heavy) overlapping them buys little. ``EngineProcess`` runs an
 ``EmbeddedEngine`` in a spawned child and speaks to it over a pipe: requests and aborts go down,
-chunks come back as they are produced, weights travel as HF-named tensors (torch shares their
-storage with the child instead of copying it through the pipe). If the child dies, every request
-in flight and every call waiting on it fails with an ``EngineError`` naming the exit code, so the
-controller returns their prompts to the queue.
+chunks come back as they are produced (messages made in one event-loop turn travel together), and
+weights travel packed in one buffer per dtype (``packed.py``; torch shares the storage with the
+child, through shared memory on a CPU and a CUDA IPC handle on a GPU, instead of copying it
+through the pipe). If the child dies, every request in flight and every call waiting on it fails
+with an ``EngineError`` naming the exit code, so the controller returns their prompts to the queue.
 """
 
 from __future__ import annotations
