@@ -1,6 +1,7 @@
 """Weights packed for an engine process: one flat buffer per dtype, unpacked bitwise equal, and
 they cross a process boundary (torch.multiprocessing) without being copied through the pipe."""
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -46,3 +47,33 @@ def test_packed_weights_reach_another_process_intact():
     assert proc.exitcode == 0
     for name, t in named:
         assert torch.equal(got[name], t)
+
+
+def _child_cuda(conn):
+    packed: PackedWeights = conn.recv()
+    # What the engine does with them: copy out of the mapped buffer into its own tensors.
+    conn.send({name: t.to("cpu", copy=True) for name, t in packed})
+    conn.recv()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (CI has none; run on the GPU machine)")
+@pytest.mark.parametrize("engine_gpu", [0, 1])
+def test_packed_weights_reach_a_child_through_cuda_ipc(engine_gpu):
+    """On a GPU the packed buffer is built on the engine's GPU and handed over as a CUDA IPC handle
+    (no copy through host memory); the child reads the exact values."""
+    if engine_gpu >= torch.cuda.device_count():
+        pytest.skip(f"needs {engine_gpu + 1} GPUs")
+    named = [(name, t.to("cuda:0")) for name, t in _named()]
+    packed = pack_weights(named, torch.device("cuda", engine_gpu))
+    assert all(b.device == torch.device("cuda", engine_gpu) for b in packed.buffers.values())
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_child_cuda, args=(child,))
+    proc.start()
+    parent.send(packed)
+    got = parent.recv()
+    parent.send("done")
+    proc.join(120)
+    assert proc.exitcode == 0
+    for name, t in named:
+        assert torch.equal(got[name], t.cpu())
