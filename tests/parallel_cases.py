@@ -177,3 +177,29 @@ def disk_case(cfg: RootConfig, num_learner_ranks: int, directory: str) -> Dict[s
         return state
 
     return {"role": role, "read": stats.bytes, "engine_state": asyncio.run(load())}
+
+
+def replica_init_case(cfg: RootConfig) -> Dict[str, torch.Tensor]:
+    """Build a learner whose freshly built model differs on every rank (each rank shifts its
+    weights by its rank, as a rank-dependent random draw during a real build would: on a GPU
+    megatron-core initialises the MoE router from the CPU generator and the rest from CUDA
+    ones); return its stage weights after the learner has wrapped it for training."""
+    import torch.distributed as dist
+
+    import megatron_rl.learner.learner as learner_module
+    from megatron_rl.weights.reshard import full_state
+
+    build = learner_module.build_gpt_model
+
+    def build_differently(*args, **kwargs):
+        model = build(*args, **kwargs)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.01 * dist.get_rank())
+        return model
+
+    learner_module.build_gpt_model = build_differently
+    try:
+        return full_state(learner_module.Learner(cfg, VOCAB).module)
+    finally:
+        learner_module.build_gpt_model = build

@@ -95,3 +95,19 @@ def _check(reference, cfg, world):
     assert moved > 5e-5  # the step did something (Adam moves weights by about lr)
     assert worst <= TOL, worst
     return out
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["dp2", "ep2-moe"])
+def test_replicas_start_identical_whatever_each_rank_drew(ep):
+    """Two data-parallel replicas (dense DP=2, or EP=2 where the experts differ and the router and
+    attention are replicated) whose freshly built weights differ start training from the same
+    replicated weights: the first rank's. Without the broadcast each rank keeps its own and the
+    replicas train different models (seen on 3 H200s: the EP=2 learner's two routers differed,
+    so the engine synced from rank 0 did not match rank 1)."""
+    from parallel_cases import replica_init_case
+
+    out = run_ranks(replica_init_case, 2, args=(tiny_cfg(ep=ep, moe=ep > 1),), timeout_s=180)
+    shared = [name for name in out[0] if "experts" not in name]
+    assert any("router" in name for name in shared) or ep == 1
+    for name in shared:
+        assert torch.equal(out[0][name], out[1][name]), name

@@ -33,6 +33,11 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
         use_distributed_optimizer=lc.use_distributed_optimizer,
     )
     wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    # Replicas start from data-parallel rank 0's weights (experts from their expert-DP rank 0),
+    # whatever each rank's random state did during the build: megatron-core initialises the MoE
+    # router on the CPU generator, the rest of a GPU model on CUDA ones, and a replica that
+    # starts different stays different (its updates are the same all-reduced gradient).
+    wrapped.broadcast_params()
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=lr, weight_decay=lc.weight_decay,
