@@ -181,8 +181,6 @@ def _patch_process() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = move_to_host
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
-    # The router calls TransformerEngine's gemm when the name exists.
-    moe_utils.te_general_gemm = None
 
     # bf16 / DistributedOptimizer check that params are torch.cuda.*Tensor via Tensor.type().
     original_type = torch.Tensor.type

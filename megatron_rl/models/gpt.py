@@ -199,13 +199,13 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
 
 
 def _router_gemm_without_te() -> None:
-    """megatron-core 0.16.1's moe_utils defines ``te_general_gemm`` only when its TransformerEngine
-    imports succeed, yet the router reads the name (NameError on CPU, and on a GPU without TE):
-    None selects the router's plain torch matmul. (The CPU patches set it too.)"""
+    """A model built without TransformerEngine routes with a plain torch matmul. megatron-core
+    0.16.1's moe_utils defines ``te_general_gemm`` only when its TransformerEngine imports succeed,
+    yet the router reads the name (NameError on a CPU and on a GPU without TE), and calls it when it
+    is set (a CUDA kernel, even on a CPU where TE imports): None selects the matmul."""
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    moe_utils.te_general_gemm = None
 
 
 def model_device() -> torch.device:
