@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, AsyncIterator, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -36,6 +36,29 @@ logger = logging.getLogger(__name__)
 # instead of hosting one, and the child waits forever for a server that never comes.)
 _WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+class _Outbox:
+    """Messages posted during one event-loop turn go out as one ``("batch", [...])`` message at
+    its end: one pickle and one wake-up of the reader instead of one per message. ``trailer``
+    adds a last item to each batch (the child's engine counters)."""
+
+    def __init__(self, send: Callable[[tuple], None], trailer: Optional[Callable[[], tuple]] = None):
+        self._send, self._trailer = send, trailer
+        self._items: list = []
+
+    def post(self, message: tuple) -> None:
+        if not self._items:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._items.append(message)
+
+    def flush(self) -> None:
+        """Send what was posted now (before a message that must follow it)."""
+        if self._items:
+            batch, self._items = self._items, []
+            if self._trailer is not None:
+                batch.append(self._trailer())
+            self._send(("batch", batch))
 
 
 class EngineProcess(RolloutEngine):
@@ -71,9 +94,9 @@ class EngineProcess(RolloutEngine):
         self._call_ids = itertools.count()
         self._failure: Optional[str] = None
         self._closing = False
-        # Requests made in one event-loop turn go down the pipe as one message (a group's G
-        # samples, a whole batch at η = 0): one pickle and one wake-up of the child instead of G.
-        self._outbox: list = []
+        # Requests made in one event-loop turn go down the pipe together (a group's G samples, a
+        # whole batch at η = 0).
+        self._outbox = _Outbox(self._write_quietly)
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -93,7 +116,7 @@ class EngineProcess(RolloutEngine):
         self._streams[request_id] = queue
         finished = False
         try:
-            self._post(("generate", request_id, list(prompt_ids), params))
+            self._outbox.post(("generate", request_id, list(prompt_ids), params))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -158,21 +181,12 @@ class EngineProcess(RolloutEngine):
     # ------------------------------------------------------------------ plumbing
     def _send(self, message: tuple) -> None:
         """Send now, after any posted requests (the child sees messages in the order made)."""
-        self._flush()
+        self._outbox.flush()
         self._write(message)
 
-    def _post(self, message: tuple) -> None:
-        """Send at the end of this event-loop turn, together with the others posted in it."""
-        if not self._outbox:
-            self._loop.call_soon(self._flush)
-        self._outbox.append(message)
-
-    def _flush(self) -> None:
-        if not self._outbox:
-            return
-        batch, self._outbox = self._outbox, []
+    def _write_quietly(self, message: tuple) -> None:
         try:
-            self._write(batch[0] if len(batch) == 1 else ("batch", batch))
+            self._write(message)
         except EngineError:
             pass  # recorded as the engine's failure: every stream waiting on it fails
 
@@ -290,8 +304,8 @@ class _ChildServer:
         self.conn, self.engine = conn, engine
         self.tasks: Dict[str, asyncio.Task] = {}
         # Chunks finished in one event-loop turn (often a whole decode step's worth of requests)
-        # go up as one message, followed by the engine's counters once.
-        self.outbox: list = []
+        # go up together, followed by the engine's counters once.
+        self.outbox = _Outbox(self.send, trailer=lambda: ("stats", self.engine.stats))
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -332,26 +346,15 @@ class _ChildServer:
     async def stream(self, request_id: str, prompt_ids, params: SamplingParams) -> None:
         try:
             async for chunk in self.engine.generate(request_id, prompt_ids, params):
-                self.post(("chunk", request_id, chunk))
+                self.outbox.post(("chunk", request_id, chunk))
         except Exception as err:  # noqa: BLE001 - the parent raises it for this request
-            self.post(("error", request_id, str(err)))
+            self.outbox.post(("error", request_id, str(err)))
         finally:
             self.tasks.pop(request_id, None)
 
-    def post(self, message: tuple) -> None:
-        """Send at the end of this event-loop turn, with the others posted in it."""
-        if not self.outbox:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self.outbox.append(message)
-
-    def flush(self) -> None:
-        if self.outbox:
-            batch, self.outbox = self.outbox + [("stats", self.engine.stats)], []
-            self.send(("batch", batch))
-
     def reply(self, message: tuple) -> None:
         """A call's reply goes now, after the chunks posted before it."""
-        self.flush()
+        self.outbox.flush()
         self.send(message)
 
     def send(self, message: tuple) -> None:
