@@ -10,6 +10,7 @@ copies out of the mapped buffer into its model.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -24,10 +25,7 @@ class PackedWeights:
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """(name, tensor) pairs: views into the buffers, valid while this object lives."""
         for name, dtype, offset, shape in self.index:
-            numel = 1
-            for size in shape:
-                numel *= size
-            yield name, self.buffers[dtype][offset : offset + numel].view(shape)
+            yield name, self.buffers[dtype][offset : offset + math.prod(shape)].view(shape)
 
     @property
     def nbytes(self) -> int:
