@@ -143,25 +143,34 @@ def layer_spec(use_te: bool, qk_layernorm: bool = False):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
-def decoder_spec(config, use_te: bool):
+def decoder_spec(config, use_te: bool, kv_attention: bool = False):
     """The layer spec for a dense model; for MoE, a block spec with a dense or MoE spec per layer
-    (``moe_layer_freq``), sliced to this pipeline stage's layers."""
+    (``moe_layer_freq``), sliced to this pipeline stage's layers. ``kv_attention``: the rollout
+    engine's KV-cache attention (models/kv_attention.py) where the model's attention allows it."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if not config.num_moe_experts and not config.multi_latent_attention:
-        return layer_spec(use_te, config.qk_layernorm)
-    spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
+        spec = layer_spec(use_te, config.qk_layernorm)
+    else:
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
+                                                          normalization="RMSNorm")
     if config.multi_latent_attention and not use_te:
         from .mla import use_local_mla_attention
 
         use_local_mla_attention(spec)
+    if kv_attention:
+        from .kv_attention import supports_kv_attention, use_kv_attention
+
+        if supports_kv_attention(config):
+            use_kv_attention(spec)
     return spec
 
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None, ep: int = 1,
-                    initialize: bool = True):
+                    initialize: bool = True, kv_attention: bool = False):
     """A GPTModel on this machine's device; parallel_state must already be initialised.
+    ``kv_attention``: built for the rollout engine's KV cache (see models/kv_attention.py).
 
     Under a pipeline (pp > 1) this rank's stage decides, unless given: only the first stage
     embeds tokens and only the last computes logits."""
@@ -181,7 +190,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     config = transformer_config(cfg, tp, pp, ep, initialize)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, use_te),
+        transformer_layer_spec=decoder_spec(config, use_te, kv_attention),
         vocab_size=vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,

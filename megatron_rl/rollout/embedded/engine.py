@@ -92,7 +92,7 @@ class EmbeddedEngine(RolloutEngine):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own."""
         self.model_cfg = model_cfg
-        self.model = build_gpt_model(model_cfg, vocab_size)
+        self.model = build_gpt_model(model_cfg, vocab_size, kv_attention=True)
         self.model.eval()
         self.device = model_device()
         self._gen = KVCachedGenerator(self.model, max_batch_size, model_cfg.max_position_embeddings,

@@ -1,7 +1,7 @@
 """Batched, KV-cached decoding with the learner's own Megatron GPTModel.
 
-megatron-core's ``StaticInferenceContext`` holds the KV cache and shares one sequence offset
-across the batch, so sequences of different lengths are left-padded to a common length and
+The KV cache (``EngineKVContext``, a megatron-core ``StaticInferenceContext``) shares one sequence
+offset across the batch, so sequences of different lengths are left-padded to a common length and
 padded key positions are masked out of attention. RoPE scores depend only on relative positions,
 so a row shifted right by its padding computes the same attention as the learner's unpadded
 forward (equal up to float rounding; the agreement test bounds it). The forward is the training
@@ -10,8 +10,9 @@ forward, so logprobs agree with the learner's.
 Continuous batching on top of one shared offset P, two ways:
 - ``admit`` (cheap, the usual way): the running rows' cache rows are compacted to the front (a
   copy, nothing recomputed) and the newcomers are prefilled into the rows after them, right-aligned
-  to end at P. The cache stores keys before RoPE and rotates them by slot index when read, so a
-  newcomer's tokens at slots P-len..P-1 see the same relative positions as in an unpadded forward.
+  to end at P. Keys are rotated by their slot index (models/kv_attention.py rotates them once,
+  when written; Megatron's own path, kept for multi-latent attention, when read), so a newcomer's
+  tokens at slots P-len..P-1 see the same relative positions as in an unpadded forward.
   It needs len <= P and P + the newcomer's budget <= the cache length.
 - ``prefill`` (a rebuild): any set of sequences (prompts, or prompts plus the tokens generated so
   far) from slot 0. The engine uses it to start, when the offset has run too far to admit anyone,
@@ -49,7 +50,7 @@ def length_groups(sorted_lengths: Sequence[int], max_groups: int = 4) -> List[Li
 class KVCachedGenerator:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_seq_len: int,
                  device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None):
-        from megatron.core.inference.contexts import StaticInferenceContext
+        from ...models.kv_attention import EngineKVContext
 
         self.model = model
         self.device = device
@@ -58,7 +59,7 @@ class KVCachedGenerator:
         self.max_seq_len = max_seq_len
         self.cache_len = cache_len or 2 * max_seq_len
         self.pad_id = pad_id
-        self.context = StaticInferenceContext(max_batch_size, self.cache_len)
+        self.context = EngineKVContext(max_batch_size, self.cache_len, getattr(model, "config", None))
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.rows = 0
@@ -130,9 +131,7 @@ class KVCachedGenerator:
             raise ValueError(f"batch of {n + m} exceeds rollout.max_batch_size={self.max_batch_size}")
         if keep != list(range(n)):
             idx = torch.tensor(keep, device=self.device)
-            for key, value in self.context.key_value_memory_dict.values():
-                key[:offset, :n] = key[:offset, idx]
-                value[:offset, :n] = value[:offset, idx]
+            self.context.copy_rows(0, idx, offset)
             self._key_padding[:n] = self._key_padding[idx]
             self._last = self._last[idx]
         self.rows = n + m
@@ -160,11 +159,8 @@ class KVCachedGenerator:
 
     def _move_rows(self, first: int, source: torch.Tensor) -> None:
         """Rows first.. become copies of rows ``source`` (cache entries and key padding)."""
-        rows = slice(first, first + len(source))
-        for key, value in self.context.key_value_memory_dict.values():
-            key[: self.offset, rows] = key[: self.offset, source]
-            value[: self.offset, rows] = value[: self.offset, source]
-        self._key_padding[rows] = self._key_padding[source]
+        self.context.copy_rows(first, source, self.offset)
+        self._key_padding[first : first + len(source)] = self._key_padding[source]
 
     def _prefill_rows(self, first_row: int, sequences: List[List[int]], params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prefill ``sequences`` into rows ``first_row``.. so that they end at the current offset."""
@@ -174,11 +170,8 @@ class KVCachedGenerator:
         tokens, padding = self._left_pad(sequences, width, end=offset)
         rows = slice(first_row, first_row + m)
         self._key_padding[rows] = padding
-        for key, value in self.context.key_value_memory_dict.values():
-            # Slots before the newcomers hold earlier rows' entries (or uninitialised memory):
-            # masked, but zeroed so that 0 * garbage cannot be NaN.
-            key[:start, rows] = 0
-            value[:start, rows] = 0
+        # Slots before the newcomers hold earlier rows' entries (or uninitialised memory).
+        self.context.clear_slots(rows, start)
         causal = torch.ones(width, offset, dtype=torch.bool, device=self.device).triu(start + 1)
         mask = causal[None, None] | self._key_padding[rows, None, None, :offset]
         self.context.sequence_len_offset, self.context.batch_size_offset = start, first_row
@@ -204,9 +197,9 @@ class KVCachedGenerator:
         """Move every row's entries left by the slots that no row uses any more.
 
         Continuous admission keeps advancing the shared offset, and each decode step attends over
-        (and re-rotates) every slot up to it, so without this the cost per token grows with the
-        batch's age, not with its sequences' lengths. Keys are stored before RoPE and all rows
-        move together, so relative positions (and attention) are unchanged. The offset is kept at
+        every slot up to it, so without this the cost per token grows with the batch's age, not
+        with its sequences' lengths. All rows move together and keys stored rotated are rotated
+        back by the shift, so relative positions (and attention) are unchanged. The offset is kept at
         least half the model's context, so typical newcomers still fit in place."""
         offset = self.offset
         floor = self.max_seq_len // 2
@@ -219,13 +212,19 @@ class KVCachedGenerator:
         if shift < max(16, offset // 4):  # not worth a copy of the cache
             return
         kept = offset - shift
-        for key, value in self.context.key_value_memory_dict.values():
-            key[:kept, : self.rows] = key[shift:offset, : self.rows].clone()
-            value[:kept, : self.rows] = value[shift:offset, : self.rows].clone()
+        self.context.shift_left(shift, offset, self.rows, self._rotation(-shift))
         self._key_padding[: self.rows, :kept] = padding[:, shift:].clone()
         self._key_padding[: self.rows, kept:] = False
         self.context.sequence_len_offset = kept
         self.slides += 1
+
+    def _rotation(self, positions: int) -> Optional[torch.Tensor]:
+        """RoPE frequencies that rotate a key by ``positions`` ([1, 1, 1, dim]; None without RoPE).
+        Positions enter RoPE linearly, so rotating by -k undoes a rotation by k."""
+        rotary = getattr(self.model, "rotary_pos_emb", None)
+        if rotary is None:
+            return None
+        return rotary(1, offset=abs(positions)) * (1 if positions >= 0 else -1)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
         new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)

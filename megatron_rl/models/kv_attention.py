@@ -1,0 +1,157 @@
+"""Attention for the rollout engine's KV cache: keys rotated once, when written; one fused
+scaled-dot-product call per layer.
+
+megatron-core's static-batching path stores keys before RoPE, in a [slots, batch, groups, dim]
+cache, and on every decode step re-rotates every cached key, repeats keys and values per query
+head (GQA) and transposes them for a batched matmul. On a CPU that costs about 0.36 us per cached
+slot per row (2 layers, head dim 16), ten times the attention's own arithmetic, so a row pays for
+the whole shared window however short its own sequence is. Here:
+
+- ``EngineKVContext`` (a ``StaticInferenceContext``) keeps each layer's cache as
+  [batch, groups, slots, dim], the layout the fused kernel reads without a copy, and does the
+  engine's row and slot moves (compacting finished rows away, sliding the window left) for every
+  layer at once.
+- ``EngineSelfAttention`` rotates only the new keys, at their own slot positions, before storing
+  them; the query is rotated as before. RoPE scores depend only on relative positions, so this
+  computes what re-rotating every step computed (up to float rounding).
+- ``CachedKVAttention`` is the core attention: ``scaled_dot_product_attention`` with grouped
+  query heads over the cache view, masked additively (a fully masked row, e.g. a left-padding
+  query, gets a uniform softmax instead of NaN, as with Megatron's masked fill).
+
+Only the engine's model uses these (``build_gpt_model(..., kv_attention=True)``); the learner's
+forward is unchanged. Multi-latent attention keeps Megatron's path.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+Cache = Tuple[torch.Tensor, torch.Tensor]
+
+
+class EngineKVContext(StaticInferenceContext):
+    """The engine's KV cache. Layers using ``EngineSelfAttention`` live in ``layers`` (keys
+    rotated, [batch, groups, slots, dim]); any other attention (MLA) keeps Megatron's
+    ``key_value_memory_dict`` ([slots, batch, ...]). The row and slot operations cover both."""
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int, model_config=None):
+        super().__init__(max_batch_size, max_sequence_length)
+        self.layers: Dict[int, Cache] = {}
+        self._model_config = model_config  # rotary_interleaved, for re-rotating moved keys
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
+        """Store ``key`` (rotated) and ``value`` ([new slots, rows, groups, dim]) at the current
+        offsets; return the rows' keys and values up to the last new slot, [rows, groups, slots, dim]."""
+        if layer not in self.layers:
+            shape = (self.max_batch_size, key.size(2), self.max_sequence_length, key.size(3))
+            self.layers[layer] = (torch.zeros(shape, dtype=key.dtype, device=key.device),
+                                  torch.zeros(shape, dtype=value.dtype, device=value.device))
+        keys, values = self.layers[layer]
+        start, first = self.sequence_len_offset, self.batch_size_offset
+        end, rows = start + key.size(0), slice(first, first + key.size(1))
+        if end > self.max_sequence_length:
+            raise RuntimeError(f"KV cache of {self.max_sequence_length} slots is full")
+        keys[rows, :, start:end] = key.permute(1, 2, 0, 3)
+        values[rows, :, start:end] = value.permute(1, 2, 0, 3)
+        return keys[rows, :, :end], values[rows, :, :end]
+
+    def _megatron_layers(self):
+        return self.key_value_memory_dict.values()
+
+    def copy_rows(self, first: int, source: torch.Tensor, slots: int) -> None:
+        """Rows ``first``.. become copies of rows ``source`` (their first ``slots`` slots)."""
+        rows = slice(first, first + len(source))
+        for key, value in self.layers.values():
+            key[rows, :, :slots] = key[source, :, :slots]
+            value[rows, :, :slots] = value[source, :, :slots]
+        for key, value in self._megatron_layers():
+            key[:slots, rows] = key[:slots, source]
+            value[:slots, rows] = value[:slots, source]
+
+    def clear_slots(self, rows: slice, end: int) -> None:
+        """Zero slots ..``end`` of ``rows``: masked, but zero so that 0 * garbage cannot be NaN."""
+        for key, value in self.layers.values():
+            key[rows, :, :end] = 0
+            value[rows, :, :end] = 0
+        for key, value in self._megatron_layers():
+            key[:end, rows] = 0
+            value[:end, rows] = 0
+
+    def shift_left(self, shift: int, end: int, rows: int, unrotate: Optional[torch.Tensor]) -> None:
+        """Move slots ``shift``..``end`` of the first ``rows`` rows to slot 0. Rotated keys are
+        rotated back by ``shift`` positions (``unrotate``: RoPE frequencies of position -shift,
+        [1, 1, 1, dim]) so they match the slots they now occupy."""
+        kept = end - shift
+        for key, value in self.layers.values():
+            moved = key[:rows, :, shift:end]
+            if unrotate is not None:  # rotate_pos_emb works on [seq, ...]: the slot axis first
+                moved = apply_rotary_pos_emb(moved.transpose(0, 2), unrotate, config=self._model_config).transpose(0, 2)
+            key[:rows, :, :kept] = moved.clone()
+            value[:rows, :, :kept] = value[:rows, :, shift:end].clone()
+        for key, value in self._megatron_layers():
+            key[:kept, :rows] = key[shift:end, :rows].clone()
+            value[:kept, :rows] = value[shift:end, :rows].clone()
+
+
+class EngineSelfAttention(SelfAttention):
+    """SelfAttention whose inference cache holds rotated keys (see the module docstring)."""
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
+                                        rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
+                                        sequence_len_offset=None, *, inference_params=None):
+        if not isinstance(inference_context, EngineKVContext):
+            return super()._adjust_key_value_for_inference(
+                inference_context or inference_params, query, key, value, rotary_pos_emb, rotary_pos_cos,
+                rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset)
+        start = inference_context.sequence_len_offset
+        end = start + key.size(0)
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            key = apply_rotary_pos_emb(key, k_pos_emb[start:end], config=self.config)
+            rotary_pos_emb = (q_pos_emb[start:end], None)  # forward rotates the query only
+        key, value = inference_context.write(self.layer_number, key, value)
+        return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
+
+
+class CachedKVAttention(MegatronModule):
+    """Core attention over ``EngineKVContext``'s cache view: query [sq, b, heads, dim], key and
+    value [b, groups, slots, dim], mask [b, 1, sq, slots] (True: masked) -> [sq, b, heads * dim]."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type, attention_dropout=None,
+                 softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
+        super().__init__(config=config)
+        # Megatron's layer scaling (apply_query_key_layer_scaling) divides the scores by the layer
+        # number and multiplies them back inside its softmax: the net scale is this one.
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        sq, b = query.shape[:2]
+        bias = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device)
+        bias.masked_fill_(attention_mask, torch.finfo(query.dtype).min)
+        out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), key, value, attn_mask=bias,
+                                             scale=self.softmax_scale, enable_gqa=True)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+
+def supports_kv_attention(config) -> bool:
+    """Whether ``config``'s attention is one ``EngineSelfAttention`` computes exactly."""
+    return (not config.multi_latent_attention and config.context_parallel_size == 1
+            and getattr(config, "softmax_type", "vanilla") == "vanilla" and config.window_size is None
+            and not config.attention_output_gate and not getattr(config, "no_rope_freq", None))
+
+
+def use_kv_attention(spec) -> None:
+    """Point a layer spec's (or a block spec's layers') self-attention at the engine's classes."""
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        attention = layer.submodules.self_attention
+        attention.module = EngineSelfAttention
+        attention.submodules.core_attention = CachedKVAttention
