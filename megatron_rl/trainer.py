@@ -37,12 +37,11 @@ from .learner.learner import Learner
 from .models.convert import export_hf_checkpoint
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
-from .rewards import REWARDS, RewardRunner
-from .rewards.shaping import overlong_penalty
+from .rewards import REWARDS, RewardRunner, score_groups
 from .rollout.device import resolve_engine_device
 from .rollout.embedded import EmbeddedEngine, EngineProcess
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.workflow import single_turn
+from .rollout.workflow import generate_groups, single_turn_group
 from .rollout.engine import EngineError
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket
@@ -182,20 +181,12 @@ class Trainer:
         await self.engine.resume()
 
     async def generate(self, prompts: Sequence[Prompt], step: int) -> List[List[Trajectory]]:
-        g = self.cfg.algo.group_size
-        jobs = [single_turn(self.engine, p, i, self.params, f"s{step}-{p.uid}-{i}") for p in prompts for i in range(g)]
-        flat = await asyncio.gather(*jobs)
-        return [list(flat[k * g : (k + 1) * g]) for k in range(len(prompts))]
+        return await generate_groups(self.engine, [(p, self.cfg.algo.group_size) for p in prompts], self.params,
+                                     f"s{step}")
 
     async def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
-        jobs = [self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target)
-                for p, grp in zip(prompts, groups) for t in grp]
-        scores = iter(await asyncio.gather(*jobs))
-        rc = self.cfg.reward
-        for grp in groups:
-            for traj in grp:
-                traj.reward = next(scores) + overlong_penalty(
-                    len(traj.response_ids), self.cfg.rollout.max_new_tokens, rc.overlong_buffer, rc.overlong_penalty)
+        await score_groups(self.rewards, self.tokenizer.decode_response, [p.target for p in prompts], groups,
+                           self.cfg.reward, self.cfg.rollout.max_new_tokens)
 
     def assign_advantages(self, groups: List[List[Trajectory]]) -> None:
         a = self.cfg.algo
@@ -328,8 +319,8 @@ class Trainer:
         g, p = self.cfg.algo.group_size, ticket.prompt
         with self.timeline.span("generate", group=ticket.index):
             try:
-                trajs = await asyncio.gather(*(
-                    single_turn(self.engine, p, i, self.params, f"g{ticket.index}-{p.uid}-{i}") for i in range(g)))
+                trajs = await single_turn_group(self.engine, p, self.params,
+                                                [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
             except EngineError:
                 self._raise_if_engine_gone()
                 raise

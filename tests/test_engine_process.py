@@ -71,6 +71,38 @@ def test_killed_engine_process_fails_requests_with_a_clear_error(megatron_world)
     assert first.token_ids
 
 
+def test_a_group_comes_back_whole_in_one_message_and_aborts_or_fails_cleanly(megatron_world):
+    """generate_n: every response of the group, whole and in request order, tagged with the
+    version; aborting some of its requests finishes those with "abort"; a killed child fails the
+    group with a clear error instead of leaving it waiting."""
+    cfg = _cfg()
+
+    async def run():
+        engine = EngineProcess(cfg.model, VOCAB, seed=2)
+        await engine.pause()
+        await engine.update_weights(Learner(cfg, VOCAB).export_hf_weights(), version=5)
+        await engine.resume()
+        ids = [f"g-{i}" for i in range(4)]
+        whole = await engine.generate_n(ids, [1, 2, 3], SamplingParams(max_new_tokens=12, stream=False))
+        long = SamplingParams(max_new_tokens=50, stream=False)
+        group = asyncio.ensure_future(engine.generate_n(["a-0", "a-1", "a-2"], [4, 5], long))
+        await engine.abort(["a-0", "a-2"])
+        aborted = await group
+        doomed = asyncio.ensure_future(engine.generate_n(["k-0", "k-1"], [6, 7], long))
+        await asyncio.sleep(0)  # posted, maybe not yet answered: either way it must fail
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        with pytest.raises(EngineError, match="engine process exited"):
+            await doomed
+        await engine.shutdown()
+        return ids, whole, aborted
+
+    ids, whole, aborted = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert [r.request_id for r in whole] == ids
+    assert all(len(r.token_ids) == len(r.logprobs) == 12 and r.versions == [5] * 12 for r in whole)
+    assert all(r.finish_reason == "length" for r in whole)
+    assert [r.finish_reason for r in aborted] == ["abort", "length", "abort"]
+
+
 def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_world, tmp_path):
     """Killing the engine process mid-run ends the run with RolloutsStopped (no hang, no endless
     retries), and the ledger still accounts for every admitted prompt."""

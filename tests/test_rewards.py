@@ -64,3 +64,49 @@ def test_overlong_penalty_by_hand():
     assert overlong_penalty(20, 20, 0) == 0.0  # disabled
     with pytest.raises(ValueError, match="exceeds the maximum length"):
         overlong_penalty(5, 4, 8)
+
+
+def test_score_many_survives_raise_and_hang_in_one_call():
+    """A group scored in one worker call: a raise is a counted zero, a hang is a counted timeout
+    after reward.timeout_s without progress, and the items after it are still scored."""
+    import asyncio
+
+    def flaky(completion, target):
+        if completion == "boom":
+            raise ValueError("bad")
+        if completion == "hang":
+            time.sleep(30)
+        if completion == "slow":
+            time.sleep(0.2)  # each under the timeout, together over it: progress, not a hang
+        return 1.0 if completion.startswith(target) else 0.5
+
+    runner = RewardRunner(flaky, workers=1, timeout_s=0.5)
+    items = [("ok", "o"), ("boom", ""), ("slow", "s"), ("slow", "s"), ("slow", "s"), ("hang", ""), ("ok2", "x")]
+    start = time.perf_counter()
+    assert asyncio.run(runner.score_many(items)) == [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.5]
+    assert time.perf_counter() - start < 5
+    assert runner.counts["timeout"] == 1 and runner.counts["error"] == 1 and runner.counts["ok"] == 5
+    # Fresh workers took over; a second group behind nothing hung is scored normally.
+    assert asyncio.run(runner.score_many([("ok", "o"), ("ok", "z")])) == [1.0, 0.5]
+    runner.close()
+
+
+def test_score_many_queued_behind_a_hang_is_scored_by_fresh_workers():
+    import asyncio
+
+    def fn(completion, target):
+        if completion == "hang":
+            time.sleep(30)
+        return 1.0
+
+    runner = RewardRunner(fn, workers=1, timeout_s=0.3)
+
+    async def two_groups():
+        return await asyncio.gather(runner.score_many([("a", ""), ("hang", "")]),
+                                    runner.score_many([("b", ""), ("c", "")]))
+
+    start = time.perf_counter()
+    assert asyncio.run(two_groups()) == [[1.0, 0.0], [1.0, 1.0]]
+    assert time.perf_counter() - start < 5
+    assert runner.counts["timeout"] == 1
+    runner.close()

@@ -97,7 +97,7 @@ def _save_final(cfg: RootConfig, learner, driver) -> None:
 # ---------------------------------------------------------------------------- engine ranks
 def _serve_engine(cfg: RootConfig, vocab: int, groups, engine_index: int) -> None:
     from ..rollout.embedded import EmbeddedEngine
-    from ..rollout.workflow import single_turn
+    from ..rollout.workflow import generate_groups
     from ..weights.sync import receive_weights
 
     loop = asyncio.new_event_loop()
@@ -116,13 +116,7 @@ def _serve_engine(cfg: RootConfig, vocab: int, groups, engine_index: int) -> Non
         logger.debug("engine %d: weights v%d, %.1f MB in %.3f s", engine_index, version, stats.bytes / 1e6, stats.seconds)
 
     async def generate(work: List[Tuple[object, int]], params: SamplingParams, step: int) -> List[List[Trajectory]]:
-        jobs = [single_turn(engine, prompt, i, params, f"s{step}-{prompt.uid}-{i}") for prompt, n in work for i in range(n)]
-        flat = await asyncio.gather(*jobs)
-        out, k = [], 0
-        for _, n in work:
-            out.append(list(flat[k : k + n]))
-            k += n
-        return out
+        return await generate_groups(engine, work, params, f"s{step}")
 
     load()  # the learner's initial weights
     while True:
@@ -178,17 +172,9 @@ class _LocalEngine:
         return self.learner.train_step(trajs, self.cfg.rollout.temperature, lr)
 
     def generate(self, work, params: SamplingParams, step: int) -> List[List[Trajectory]]:
-        from ..rollout.workflow import single_turn
+        from ..rollout.workflow import generate_groups
 
-        async def run():
-            jobs = [single_turn(self.engine, p, i, params, f"s{step}-{p.uid}-{i}") for p, n in work for i in range(n)]
-            return await asyncio.gather(*jobs)
-
-        flat, out, k = self.loop.run_until_complete(run()), [], 0
-        for _, n in work:
-            out.append(list(flat[k : k + n]))
-            k += n
-        return out
+        return self.loop.run_until_complete(generate_groups(self.engine, work, params, f"s{step}"))
 
     def close(self) -> None:
         self.loop.run_until_complete(self.engine.shutdown())
@@ -348,16 +334,10 @@ class _Driver:
         return groups, [time.perf_counter() - start]  # type: ignore[return-value]
 
     async def _score(self, prompts, groups: List[List[Trajectory]]) -> None:
-        from ..rewards.shaping import overlong_penalty
+        from ..rewards import score_groups
 
-        rc, max_new = self.cfg.reward, self.cfg.rollout.max_new_tokens
-        jobs = [self.rewards.score(self.tokenizer.decode_response(t.response_ids), p.target)
-                for p, grp in zip(prompts, groups) for t in grp]
-        scores = iter(await asyncio.gather(*jobs))
-        for grp in groups:
-            for t in grp:
-                t.reward = next(scores) + overlong_penalty(len(t.response_ids), max_new, rc.overlong_buffer,
-                                                           rc.overlong_penalty)
+        await score_groups(self.rewards, self.tokenizer.decode_response, [p.target for p in prompts], groups,
+                           self.cfg.reward, self.cfg.rollout.max_new_tokens)
 
     def _advantages(self, groups: List[List[Trajectory]]) -> None:
         from ..algorithms.advantages import assign_group_advantages

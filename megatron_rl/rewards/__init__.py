@@ -1,6 +1,6 @@
 """Verifiable rewards and the pool that runs them with a timeout."""
 
-from .runner import RewardRunner
+from .runner import RewardRunner, score_groups
 from .verifiers import REWARDS, digit_match, gsm8k_exact
 
-__all__ = ["REWARDS", "RewardRunner", "digit_match", "gsm8k_exact"]
+__all__ = ["REWARDS", "RewardRunner", "score_groups", "digit_match", "gsm8k_exact"]

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import abc
-from typing import AsyncIterator, Iterable, Optional, Sequence, Tuple
+import asyncio
+from typing import AsyncIterator, Awaitable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,6 +22,15 @@ class RolloutEngine(abc.ABC):
     def generate(self, request_id: str, prompt_ids: Sequence[int],
                  params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         """Stream chunks of generated tokens; the last chunk has ``finish_reason`` set."""
+
+    def generate_n(self, request_ids: Sequence[str], prompt_ids: Sequence[int],
+                   params: SamplingParams) -> Awaitable[List[GenerationChunk]]:
+        """One response per request id to the same prompt (a GRPO group), each whole: one chunk
+        with every token. Engines in another process answer with one message per group, not
+        one per response, which on a busy trainer's event loop is most of the rollout overhead.
+        The requests are made when this is called (where the engine's ``generate`` is eager), so
+        an abort made afterwards finds them."""
+        return asyncio.gather(*(whole_response(self.generate(rid, prompt_ids, params)) for rid in request_ids))
 
     @abc.abstractmethod
     async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
@@ -58,3 +68,16 @@ class RolloutEngine(abc.ABC):
 
     async def shutdown(self) -> None:
         """Stop background work and release resources."""
+
+
+async def whole_response(stream: AsyncIterator[GenerationChunk]) -> GenerationChunk:
+    """A request's chunks joined into one (``finish_reason`` "abort" if the stream stopped early)."""
+    request_id, tokens, logprobs, versions, finish = "", [], [], [], "abort"
+    async for chunk in stream:
+        request_id = chunk.request_id
+        tokens += chunk.token_ids
+        logprobs += chunk.logprobs
+        versions += chunk.versions
+        if chunk.finish_reason is not None:
+            finish = chunk.finish_reason
+    return GenerationChunk(request_id, tokens, logprobs, versions, finish)

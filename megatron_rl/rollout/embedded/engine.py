@@ -118,8 +118,10 @@ class EmbeddedEngine(RolloutEngine):
     def weight_version(self) -> int:
         return self._version
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int],
-                       params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+    def generate(self, request_id: str, prompt_ids: Sequence[int],
+                 params: SamplingParams) -> AsyncIterator[GenerationChunk]:
+        """The request joins the queue now, not at the stream's first step: an abort made after
+        this call (e.g. the next message from the trainer's process) always finds it."""
         self._ensure_started()
         if self._failure is not None:
             raise EngineError(f"embedded engine is dead: {self._failure!r}")
@@ -133,19 +135,22 @@ class EmbeddedEngine(RolloutEngine):
         self._pending.append(req)
         self.stats.requests += 1
         self._wakeup.set()
+        return self._stream(req)
+
+    async def _stream(self, req: _Request) -> AsyncIterator[GenerationChunk]:
         finished = False
         try:
             while True:
                 item = await req.queue.get()
                 if isinstance(item, BaseException):
-                    raise EngineError(f"request {request_id} failed in the embedded engine: {item!r}") from item
+                    raise EngineError(f"request {req.request_id} failed in the embedded engine: {item!r}") from item
                 yield item
                 if item.finish_reason is not None:
                     finished = True
                     return
         finally:
             if not finished:  # the caller stopped listening: free the slot
-                self._abort_now({request_id})
+                self._abort_now({req.request_id})
 
     async def sampling_state(self) -> Optional[bytes]:
         async with self._lock():  # not in the middle of a sampling step

@@ -18,7 +18,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, AsyncIterator, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.multiprocessing as mp
@@ -91,6 +91,7 @@ class EngineProcess(RolloutEngine):
         self._reader: Optional[threading.Thread] = None
         self._streams: Dict[str, asyncio.Queue] = {}
         self._calls: Dict[int, asyncio.Future] = {}
+        self._groups: Dict[int, asyncio.Future] = {}  # generate_n requests, by call id
         self._call_ids = itertools.count()
         self._failure: Optional[str] = None
         self._closing = False
@@ -130,6 +131,32 @@ class EngineProcess(RolloutEngine):
             if not finished and self._failure is None:
                 try:
                     self._send(("abort", [request_id]))
+                except EngineError:
+                    pass  # already recorded as the engine's failure
+
+    def generate_n(self, request_ids: Sequence[str], prompt_ids: Sequence[int],
+                   params: SamplingParams) -> Awaitable[List[GenerationChunk]]:
+        """One message down (posted now, so an abort made afterwards follows it) and one back
+        for the whole group: the child joins the responses."""
+        self._ensure_reader()
+        self._check_alive()
+        key = next(self._call_ids)
+        future = self._loop.create_future()
+        self._groups[key] = future
+        self._outbox.post(("generate_n", key, list(request_ids), list(prompt_ids), params))
+        return self._group_result(key, future, list(request_ids))
+
+    async def _group_result(self, key: int, future: asyncio.Future, request_ids: List[str]) -> List[GenerationChunk]:
+        finished = False
+        try:
+            responses = await future
+            finished = True
+            return responses
+        finally:
+            self._groups.pop(key, None)
+            if not finished and self._failure is None:
+                try:
+                    self._send(("abort", request_ids))
                 except EngineError:
                     pass  # already recorded as the engine's failure
 
@@ -244,6 +271,14 @@ class EngineProcess(RolloutEngine):
             queue = self._streams.get(request_id)
             if queue is not None:
                 queue.put_nowait(EngineError(text))
+        elif kind in ("group", "group_error"):
+            _, key, payload = message
+            future = self._groups.get(key)
+            if future is not None and not future.done():
+                if kind == "group":
+                    future.set_result(payload)
+                else:
+                    future.set_exception(EngineError(payload))
         elif kind == "reply":
             _, call_id, error, stats, result = message
             self.stats = stats
@@ -264,10 +299,10 @@ class EngineProcess(RolloutEngine):
         if self._failure is not None:
             return
         self._failure = reason
-        logger.error("%s; %d requests in flight fail", reason, len(self._streams))
+        logger.error("%s; %d requests and %d groups in flight fail", reason, len(self._streams), len(self._groups))
         for queue in self._streams.values():
             queue.put_nowait(EngineError(reason))
-        for future in self._calls.values():
+        for future in list(self._calls.values()) + list(self._groups.values()):
             if not future.done():
                 future.set_exception(EngineError(reason))
         self._calls.clear()
@@ -325,9 +360,24 @@ class _ChildServer:
         threading.Thread(target=read, name="engine-inbox", daemon=True).start()
         while True:
             message = await inbox.get()
+            # Requests reach the engine's queue as their message is read (a task would join it
+            # later): an abort in the next message must find them.
             if message[0] == "generate":
                 _, request_id, prompt_ids, params = message
-                self.tasks[request_id] = asyncio.create_task(self.stream(request_id, prompt_ids, params))
+                try:
+                    stream = self.engine.generate(request_id, prompt_ids, params)
+                except Exception as err:  # noqa: BLE001 - the parent raises it for this request
+                    self.outbox.post(("error", request_id, str(err)))
+                    continue
+                self.tasks[request_id] = asyncio.create_task(self.stream(request_id, stream))
+            elif message[0] == "generate_n":
+                _, key, request_ids, prompt_ids, params = message
+                try:
+                    responses = self.engine.generate_n(request_ids, prompt_ids, params)
+                except Exception as err:  # noqa: BLE001 - the parent raises it for this group
+                    self.outbox.post(("group_error", key, str(err)))
+                    continue
+                self.tasks[f"group-{key}"] = asyncio.create_task(self.group(key, responses))
             elif message[0] == "abort":
                 await self.engine.abort(message[1])
             elif message[0] == "call":
@@ -343,14 +393,22 @@ class _ChildServer:
                 if name == "shutdown":
                     return
 
-    async def stream(self, request_id: str, prompt_ids, params: SamplingParams) -> None:
+    async def stream(self, request_id: str, stream: AsyncIterator[GenerationChunk]) -> None:
         try:
-            async for chunk in self.engine.generate(request_id, prompt_ids, params):
+            async for chunk in stream:
                 self.outbox.post(("chunk", request_id, chunk))
         except Exception as err:  # noqa: BLE001 - the parent raises it for this request
             self.outbox.post(("error", request_id, str(err)))
         finally:
             self.tasks.pop(request_id, None)
+
+    async def group(self, key: int, responses: Awaitable[List[GenerationChunk]]) -> None:
+        try:
+            self.outbox.post(("group", key, await responses))
+        except Exception as err:  # noqa: BLE001 - the parent raises it for this group
+            self.outbox.post(("group_error", key, str(err)))
+        finally:
+            self.tasks.pop(f"group-{key}", None)
 
     def reply(self, message: tuple) -> None:
         """A call's reply goes now, after the chunks posted before it."""
