@@ -66,6 +66,10 @@ class KVCachedGenerator:
         self._key_padding: Optional[torch.Tensor] = None  # [max_batch, cache_len] True where masked
         self._last: Optional[torch.Tensor] = None  # [rows] last sampled tokens
         self.slides = 0  # times the window moved left (_slide_window)
+        # Megatron's multi-latent attention rotates keys before caching them, in a layout of its
+        # own: its entries cannot be moved to other slots, so its window never slides (it grows
+        # with the batch's age until a rebuild).
+        self._can_slide = not getattr(getattr(model, "config", None), "multi_latent_attention", False)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
@@ -203,7 +207,7 @@ class KVCachedGenerator:
         least half the model's context, so typical newcomers still fit in place."""
         offset = self.offset
         floor = self.max_seq_len // 2
-        if offset <= floor or not self.rows:
+        if offset <= floor or not self.rows or not self._can_slide:
             return
         padding = self._key_padding[: self.rows, :offset]
         # Rows are right-aligned: their padding is a prefix; argmax finds each row's first real slot.
