@@ -47,3 +47,11 @@ def test_placement_bench_runs_the_colocated_layout_on_a_cpu(tmp_path):
     row = next(line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["colocated"])
     assert float(row[2]) > 0 and float(row[3]) > 0  # s/step, steps/hour
     assert "rollout.separate_process=true rollout.device=auto" in out.stdout
+
+
+def test_engine_decode_bench_prints_both_attentions():
+    out = subprocess.run([sys.executable, str(TOOLS / "bench/engine_decode.py"), "--rows", "4", "--windows", "8,16"],
+                         capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["8"], ["16"])]
+    assert len(rows) == 2 and all(row[-1].endswith("x") and float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
