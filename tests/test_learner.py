@@ -189,3 +189,26 @@ def test_kl_term_leaves_the_loss_when_it_is_in_the_reward(megatron_world):
     with_kl, without = results[False], results[True]
     assert with_kl["train/kl"] == pytest.approx(without["train/kl"]) and with_kl["train/kl"] > 0.1
     assert with_kl["train/loss"] - without["train/loss"] == pytest.approx(0.1 * with_kl["train/kl"], rel=1e-5)
+
+
+def test_micro_batch_layout_by_hand():
+    """Tokens right-padded, labels shifted by one, each per-token field at the positions whose
+    logits predict the response tokens; filler rows empty; a field of the wrong length is an error."""
+    import pytest
+
+    from megatron_rl.learner.batch import build_micro_batches
+    from megatron_rl.types import Trajectory
+
+    a = Trajectory("a", 0, [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], "stop")
+    b = Trajectory("b", 1, [6, 7, 8], [9], [-0.5], [0], "stop")
+    a.advantage, b.advantage = 1.5, -2.0
+    (mb,) = build_micro_batches([a, b], token_budget=15, pad_id=0)
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0], [0, 0, 0, 0, 0]]
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 0, 0], [0, 0, 0, 0, 0]]
+    assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0]]
+    assert mb.advantages.tolist() == [[0, 1.5, 1.5, 1.5, 0], [0, 0, -2.0, 0, 0], [0, 0, 0, 0, 0]]
+    assert torch.allclose(mb.behav_logprobs, torch.tensor([[0, -0.1, -0.2, -0.3, 0], [0, 0, -0.5, 0, 0], [0.0] * 5]))
+    assert mb.rows == [0, 1, -1]
+    b.logprobs = [-0.5, -0.6]
+    with pytest.raises(ValueError, match="b/1: behav_logprobs has 2 values for 1 response tokens"):
+        build_micro_batches([a, b], token_budget=15)

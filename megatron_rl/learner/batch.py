@@ -90,18 +90,39 @@ def _token_values(traj: Trajectory) -> Dict[str, List[float]]:
 
 
 def _collate(trajs: Sequence[Trajectory], idx: List[int], rows: int, seq_len: int, pad_id: int) -> MicroBatch:
+    # One tensor per field, written through flat indices: a torch.tensor call per row and field
+    # cost ~13 ms per 256-sample step on a CPU, on the learner's critical path.
     shape = (rows, seq_len)
     tokens = torch.full(shape, pad_id, dtype=torch.long)
     labels = torch.full(shape, pad_id, dtype=torch.long)
-    per_token = {name: torch.zeros(shape) for name in _TOKEN_FIELDS}
+    token_at: List[int] = []   # flat positions of each row's tokens (labels: all but the last)
+    label_at: List[int] = []
+    response_at: List[int] = []  # flat positions of the logits that predict response tokens
+    ids: List[int] = []
+    targets: List[int] = []
+    values: Dict[str, List[float]] = {name: [] for name in _TOKEN_FIELDS}
     for r, traj in enumerate(trajs):
         full = traj.prompt_ids + traj.response_ids
-        n, p = len(full), len(traj.prompt_ids)
-        tokens[r, :n] = torch.tensor(full)
-        labels[r, : n - 1] = torch.tensor(full[1:])
+        n, p, row = len(full), len(traj.prompt_ids), r * seq_len
+        token_at.extend(range(row, row + n))
+        label_at.extend(range(row, row + n - 1))
+        ids.extend(full)
+        targets.extend(full[1:])
         # Logits at position p-1+i predict response token i.
-        for name, values in _token_values(traj).items():
-            per_token[name][r, p - 1 : n - 1] = torch.tensor(values, dtype=torch.float)
+        response_at.extend(range(row + p - 1, row + n - 1))
+        for name, vals in _token_values(traj).items():
+            if len(vals) != n - p:  # flat positions would silently shift every later row
+                raise ValueError(f"trajectory {traj.prompt_uid}/{traj.sample_index}: {name} has {len(vals)} "
+                                 f"values for {n - p} response tokens")
+            values[name].extend(vals)
+    tokens.view(-1)[torch.tensor(token_at, dtype=torch.long)] = torch.tensor(ids, dtype=torch.long)
+    labels.view(-1)[torch.tensor(label_at, dtype=torch.long)] = torch.tensor(targets, dtype=torch.long)
+    at = torch.tensor(response_at, dtype=torch.long)
+    per_token = {}
+    for name in _TOKEN_FIELDS:
+        field = torch.zeros(shape)
+        field.view(-1)[at] = torch.tensor(values[name], dtype=torch.float)
+        per_token[name] = field
     return MicroBatch(tokens=tokens, labels=labels, rows=idx + [-1] * (rows - len(trajs)), **per_token)
 
 
