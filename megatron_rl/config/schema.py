@@ -236,7 +236,10 @@ class DataConfig:
 class RewardConfig:
     # reverse_digits | sort_digits | gsm8k
     name: str = "reverse_digits"
+    # Seconds one completion's score may take. A group is scored in one worker call, which is hung
+    # when no completion finishes for this long: that one scores 0 (counted), the rest go on.
     timeout_s: float = 10.0
+    # Worker threads scoring groups at once.
     workers: int = 1
     # DAPO's soft overlong penalty: the last overlong_buffer tokens before rollout.max_new_tokens
     # cost up to overlong_penalty (linearly); 0 disables.
