@@ -110,3 +110,23 @@ def test_score_many_queued_behind_a_hang_is_scored_by_fresh_workers():
     assert time.perf_counter() - start < 5
     assert runner.counts["timeout"] == 1
     runner.close()
+
+
+def test_a_call_queued_behind_a_hang_is_scored_not_timed_out():
+    """score() is score_many of one, and keeps what it did on its own: a completion still waiting
+    for the only worker when the call ahead of it hangs moves to fresh workers and is scored."""
+    import asyncio
+
+    def fn(completion, target):
+        if completion == "hang":
+            time.sleep(30)
+        return 1.0
+
+    runner = RewardRunner(fn, workers=1, timeout_s=0.3)
+
+    async def run():
+        return await asyncio.gather(runner.score("hang", ""), runner.score("ok", ""))
+
+    assert asyncio.run(run()) == [0.0, 1.0]
+    assert runner.counts["timeout"] == 1 and runner.counts["ok"] == 1
+    runner.close()

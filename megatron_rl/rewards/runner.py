@@ -9,6 +9,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Sequence, Tuple
 
+from .shaping import overlong_penalty
+
 logger = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, str], float]
@@ -22,39 +24,16 @@ class RewardRunner:
         self.counts: Counter = Counter()
 
     async def score(self, completion: str, target: str) -> float:
-        """Score one completion without blocking the event loop; failures score 0.0, counted.
-
-        A call still queued behind a hung worker when its time runs out never started: it is
-        resubmitted to the fresh workers rather than scored as a timeout.
-        """
-        for _ in range(3):
-            future = self._pool.submit(self.fn, completion, target)
-            try:
-                value = float(await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s))
-                self.counts["ok"] += 1
-                return value
-            except asyncio.TimeoutError:
-                if future.cancelled():  # never ran: queued behind a stuck call
-                    continue
-                self.counts["timeout"] += 1
-                logger.warning("%s timed out after %.1fs (reward.timeout_s); scored 0", self.name, self.timeout_s)
-                # The hung thread cannot be killed; later scores get fresh workers.
-                self._pool.shutdown(wait=False)
-                self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="reward")
-                return 0.0
-            except Exception as err:  # noqa: BLE001 - any user reward error becomes a counted zero
-                self.counts["error"] += 1
-                logger.warning("%s raised %r on completion %r; scored 0", self.name, err, completion[:80])
-                return 0.0
-        self.counts["timeout"] += 1
-        logger.warning("%s could not get a worker for %.1fs three times; scored 0", self.name, self.timeout_s)
-        return 0.0
+        """Score one completion without blocking the event loop (``score_many`` of one)."""
+        return (await self.score_many([(completion, target)]))[0]
 
     async def score_many(self, items: Sequence[Tuple[str, str]]) -> List[float]:
         """Score (completion, target) pairs, in order, in one worker call (one hand-off per group
         instead of one per completion, which on a busy event loop is most of the scoring cost).
-        Failures score 0.0, counted, as in ``score``. A call is hung when no item finishes for
-        ``reward.timeout_s``: that item scores 0 (a timeout) and the rest go to fresh workers."""
+        A reward that raises scores 0.0, counted. A call is hung when no item finishes for
+        ``reward.timeout_s`` while it runs: that item scores 0 (a timeout, counted) and the rest
+        go to fresh workers. A call still queued behind a hung one never ran: it moves to the
+        fresh workers rather than scoring 0."""
         scores: List[float] = []
         while len(scores) < len(items):
             done: List[float] = []  # the worker appends as it goes: progress the loop can see
@@ -102,8 +81,6 @@ async def score_groups(runner: RewardRunner, decode: Callable[[List[int]], str],
                        groups: Sequence[Sequence], reward_cfg, max_new_tokens: int) -> None:
     """Set each trajectory's ``reward``: the verifier's score of its decoded response against its
     group's target (one worker call per group) plus DAPO's overlong penalty."""
-    from .shaping import overlong_penalty
-
     scored = await asyncio.gather(*(runner.score_many([(decode(t.response_ids), target) for t in group])
                                     for target, group in zip(targets, groups)))
     for group, scores in zip(groups, scored):

@@ -59,7 +59,8 @@ class KVCachedGenerator:
         self.max_seq_len = max_seq_len
         self.cache_len = cache_len or 2 * max_seq_len
         self.pad_id = pad_id
-        self.context = EngineKVContext(max_batch_size, self.cache_len, getattr(model, "config", None))
+        config = getattr(model, "config", None)
+        self.context = EngineKVContext(max_batch_size, self.cache_len, config)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.rows = 0
@@ -69,7 +70,7 @@ class KVCachedGenerator:
         # Megatron's multi-latent attention rotates keys before caching them, in a layout of its
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
         # with the batch's age until a rebuild).
-        self._can_slide = not getattr(getattr(model, "config", None), "multi_latent_attention", False)
+        self._can_slide = not getattr(config, "multi_latent_attention", False)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
@@ -216,19 +217,17 @@ class KVCachedGenerator:
         if shift < max(16, offset // 4):  # not worth a copy of the cache
             return
         kept = offset - shift
-        self.context.shift_left(shift, offset, self.rows, self._rotation(-shift))
+        self.context.shift_left(shift, offset, self.rows, self._unrotation(shift))
         self._key_padding[: self.rows, :kept] = padding[:, shift:].clone()
         self._key_padding[: self.rows, kept:] = False
         self.context.sequence_len_offset = kept
         self.slides += 1
 
-    def _rotation(self, positions: int) -> Optional[torch.Tensor]:
-        """RoPE frequencies that rotate a key by ``positions`` ([1, 1, 1, dim]; None without RoPE).
-        Positions enter RoPE linearly, so rotating by -k undoes a rotation by k."""
+    def _unrotation(self, shift: int) -> Optional[torch.Tensor]:
+        """RoPE frequencies that rotate a key back by ``shift`` positions ([1, 1, 1, dim]; None
+        without RoPE). Positions enter RoPE linearly: the frequencies of -shift undo +shift."""
         rotary = getattr(self.model, "rotary_pos_emb", None)
-        if rotary is None:
-            return None
-        return rotary(1, offset=abs(positions)) * (1 if positions >= 0 else -1)
+        return None if rotary is None else -rotary(1, offset=shift)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
         new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)

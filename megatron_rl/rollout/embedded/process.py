@@ -128,11 +128,8 @@ class EngineProcess(RolloutEngine):
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished and self._failure is None:
-                try:
-                    self._send(("abort", [request_id]))
-                except EngineError:
-                    pass  # already recorded as the engine's failure
+            if not finished:
+                self._abort_unheard([request_id])
 
     def generate_n(self, request_ids: Sequence[str], prompt_ids: Sequence[int],
                    params: SamplingParams) -> Awaitable[List[GenerationChunk]]:
@@ -154,11 +151,16 @@ class EngineProcess(RolloutEngine):
             return responses
         finally:
             self._groups.pop(key, None)
-            if not finished and self._failure is None:
-                try:
-                    self._send(("abort", request_ids))
-                except EngineError:
-                    pass  # already recorded as the engine's failure
+            if not finished:
+                self._abort_unheard(request_ids)
+
+    def _abort_unheard(self, request_ids: List[str]) -> None:
+        """The caller stopped listening before the end: free the requests' slots in the child."""
+        if self._failure is None:
+            try:
+                self._send(("abort", request_ids))
+            except EngineError:
+                pass  # already recorded as the engine's failure
 
     async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
         await self._call("abort", list(request_ids) if request_ids is not None else None)
