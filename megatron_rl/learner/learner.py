@@ -32,10 +32,13 @@ def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
 
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits [b, s, V_local] of a GPTModel for right-padded token ids [b, s]."""
+    """Logits [b, s, V_local] of a GPTModel for right-padded token ids [b, s].
+
+    No mask is passed: the layer specs' mask type is causal, which TransformerEngine and the
+    local spec's attention (models/causal_attention.py: a fused kernel) then apply themselves."""
     b, s = tokens.shape
     position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-    return model(tokens, position_ids, causal_mask(s, tokens.device))
+    return model(tokens, position_ids, None)
 
 
 class Learner:

@@ -154,10 +154,13 @@ def decoder_spec(config, use_te: bool, kv_attention: bool = False):
     else:
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine=use_te,
                                                           normalization="RMSNorm")
-    if config.multi_latent_attention and not use_te:
+    if not use_te:
+        from .causal_attention import use_fused_causal_attention
         from .mla import use_local_mla_attention
 
-        use_local_mla_attention(spec)
+        use_fused_causal_attention(spec)
+        if config.multi_latent_attention:
+            use_local_mla_attention(spec)
     if kv_attention:
         from .kv_attention import supports_kv_attention, use_kv_attention
 

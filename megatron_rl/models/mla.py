@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.core.transformer.dot_product_attention import DotProductAttention
+from .causal_attention import FusedCausalAttention
 
 
 def fix_te_flag() -> None:
@@ -28,7 +28,7 @@ def fix_te_flag() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
-class MLADotProductAttention(DotProductAttention):
+class MLADotProductAttention(FusedCausalAttention):
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  k_channels: Optional[int] = None, v_channels: Optional[int] = None,
