@@ -240,3 +240,44 @@ def test_engine_attention_equals_megatrons_for_every_family(megatron_world, fami
     print(f"{family}: {len(tokens)} tokens, max logprob gap {gap:.2e}; across the slide vs uncached {slide_gap:.2e}")
     assert gap <= 1e-4, gap
     assert slide_gap <= 1e-4, slide_gap
+
+
+def test_a_groups_shared_prompt_is_prefilled_once(megatron_world):
+    """A GRPO group's samples share one prompt: the engine prefills it once and copies its cache
+    entries to the group's other rows, both when a batch is built and when a group joins a running
+    batch. Each copy still samples on its own, and every logprob is the learner's."""
+    learner = _learner()
+    forwards = []  # rows of each multi-token (prefill) forward
+
+    async def run():
+        engine = EmbeddedEngine(learner.cfg.model, 48, max_batch_size=16, seed=9)
+        model_logits = engine._gen._logits
+
+        def counting(tokens, start, mask):
+            if tokens.size(1) > 1:
+                forwards.append(tokens.size(0))
+            return model_logits(tokens, start, mask)
+
+        engine._gen._logits = counting
+        await engine.pause()
+        await engine.update_weights(learner.export_hf_weights(), version=1)
+        await engine.resume()
+        params = SamplingParams(max_new_tokens=20)
+        a, b, c, d = ([(3 * k + j) % 40 + 1 for j in range(n)] for k, n in enumerate((4, 6, 5, 9)))
+        lead = asyncio.create_task(generate_all(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=40), "lead"))
+        first = asyncio.create_task(generate_all(engine, [a] * 4 + [b] * 3, params, "first"))
+        while engine.stats.decode_steps < 3:  # the first batch (lead, a, b) is decoding
+            await asyncio.sleep(0.001)
+        later = await generate_all(engine, [c] * 4 + [d] * 2, params, "later")  # joins in place
+        trajs = (await lead) + (await first) + later
+        await engine.shutdown()
+        return trajs, engine.stats
+
+    trajs, stats = asyncio.run(run())
+    assert stats.prefills == 1 and stats.admissions >= 1, stats
+    assert sum(forwards) == 5, forwards  # lead, a, b, then c and d: one row per distinct prompt
+    responses_of_a = {tuple(t.response_ids) for t in trajs[1:5]}
+    assert len(responses_of_a) > 1  # the copies sample independently
+    gap = _gap(learner, trajs, lambda v: True)
+    print(f"shared prompts: prefill forwards {forwards}, {stats}, gap {gap:.2e}")
+    assert gap <= 1e-5, gap

@@ -18,7 +18,8 @@ Continuous batching on top of one shared offset P, two ways:
   far) from slot 0. The engine uses it to start, when the offset has run too far to admit anyone,
   and after new weights (the old weights' cache is recomputed, not reused).
 Rows aligned at their ends need ``longest sequence + largest remaining budget`` slots, so the cache
-is twice the model's context by default.
+is twice the model's context by default. Both prefill equal sequences once (a GRPO group's
+samples share their prompt) and copy the cache entries to the other rows.
 """
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def length_groups(sorted_lengths: Sequence[int], max_groups: int = 4) -> List[Li
             groups.append([])
         groups[-1].append(i)
     return groups
+
+
+def distinct(sequences: Sequence[List[int]]) -> Tuple[List[List[int]], List[int]]:
+    """The distinct sequences, in first-seen order, and for each sequence the index of its equal
+    among them. The samples of a GRPO group share one prompt: it is prefilled once and its cache
+    entries copied to the group's other rows (a copy costs far less than a forward)."""
+    index: dict = {}
+    source = [index.setdefault(tuple(seq), len(index)) for seq in sequences]
+    return [list(seq) for seq in index], source
 
 
 class KVCachedGenerator:
@@ -115,14 +125,15 @@ class KVCachedGenerator:
             raise ValueError(f"batch of {len(sequences)} exceeds rollout.max_batch_size={self.max_batch_size}")
         self.context.reset()
         self.rows = len(sequences)
-        tokens, padding = self._left_pad(sequences, width, end=width)
+        unique, source = distinct(sequences)
+        tokens, padding = self._left_pad(unique, width, end=width)
         self._key_padding = torch.zeros(self.max_batch_size, self.cache_len, dtype=torch.bool, device=self.device)
-        self._key_padding[: self.rows] = padding
-        mask = causal_mask(width, self.device) | self._key_padding[: self.rows, None, None, :width]
+        self._key_padding[: len(unique)] = padding
+        mask = causal_mask(width, self.device) | self._key_padding[: len(unique), None, None, :width]
         logits = self._logits(tokens, 0, mask)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
-        return self._sample(logits, params)
+        return self._sample(self._copy_duplicates(0, logits, source), params)
 
     @torch.no_grad()
     def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams) -> Sampled:
@@ -169,11 +180,12 @@ class KVCachedGenerator:
 
     def _prefill_rows(self, first_row: int, sequences: List[List[int]], params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
         """Prefill ``sequences`` into rows ``first_row``.. so that they end at the current offset."""
-        offset, m = self.offset, len(sequences)
+        offset = self.offset
         width = max(len(seq) for seq in sequences)
         start = offset - width
-        tokens, padding = self._left_pad(sequences, width, end=offset)
-        rows = slice(first_row, first_row + m)
+        unique, source = distinct(sequences)
+        tokens, padding = self._left_pad(unique, width, end=offset)
+        rows = slice(first_row, first_row + len(unique))
         self._key_padding[rows] = padding
         # Slots before the newcomers hold earlier rows' entries (or uninitialised memory).
         self.context.clear_slots(rows, start)
@@ -184,7 +196,18 @@ class KVCachedGenerator:
             logits = self._logits(tokens, start, mask)
         finally:
             self.context.sequence_len_offset, self.context.batch_size_offset = offset, 0
+        logits = self._copy_duplicates(first_row, logits, source)
         return sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
+
+    def _copy_duplicates(self, first_row: int, logits: torch.Tensor, source: List[int]) -> torch.Tensor:
+        """The distinct sequences were prefilled into rows first_row..; give every sequence its row
+        (row first_row + i holds sequence i: cache entries and key padding copied from its
+        distinct twin) and its next-token logits ([distinct, V] -> [sequences, V])."""
+        if len(source) == logits.size(0):
+            return logits
+        index = torch.tensor(source, device=self.device)
+        self._move_rows(first_row, index + first_row)
+        return logits[index]
 
     @torch.no_grad()
     def decode(self, params: SamplingParams) -> Sampled:
