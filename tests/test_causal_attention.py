@@ -4,7 +4,8 @@ local DotProductAttention computes with an explicit causal mask: outputs and gra
 import pytest
 import torch
 
-from megatron_rl.learner.learner import causal_mask, forward_logits
+from megatron_rl.learner.learner import forward_logits
+from megatron_rl.models.causal_attention import causal_mask
 from megatron_rl.models.gpt import model_device
 
 

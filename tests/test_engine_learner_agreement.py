@@ -192,7 +192,7 @@ LATE_PROMPT = [19, 20, 21, 22, 23]
 
 def _uncached_logprobs(model, prompt, response) -> torch.Tensor:
     """Logprobs of ``response`` after ``prompt`` from one plain causal forward (no cache)."""
-    from megatron_rl.learner.learner import causal_mask
+    from megatron_rl.models.causal_attention import causal_mask
     from megatron_rl.models.gpt import model_device
 
     device = model_device()

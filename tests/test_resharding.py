@@ -20,7 +20,7 @@ def _sharded_logits(src: str, out, tp: int, pp: int, ep: int, tokens: torch.Tens
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
-    from megatron_rl.learner.learner import causal_mask
+    from megatron_rl.models.causal_attention import causal_mask
     from megatron_rl.learner.parallel import init_model_parallel
     from megatron_rl.models.convert import load_pretrained, pretrained_model_config, write_model_config
     from megatron_rl.models.gpt import build_gpt_model

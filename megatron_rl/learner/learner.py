@@ -26,11 +26,6 @@ from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step
                             wrap_for_training)
 from .parallel import init_model_parallel
 
-def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
-    """Boolean [1, 1, s, s] mask, True where attention is not allowed (Megatron's convention)."""
-    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
-
-
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, V_local] of a GPTModel for right-padded token ids [b, s].
 

@@ -24,12 +24,18 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 
+def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean [1, 1, s, s] mask, True where attention is not allowed (Megatron's convention).
+    The learner passes none (the fused path); the rollout engine's prefill and tests do."""
+    return torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
 def fused_causal_supported(config, attention_dropout: float) -> bool:
     """Whether ``config``'s core attention is the plain softmax(QK^T * scale) V that the fused
-    kernel computes (no window, no learned softmax offset, no dropout)."""
+    kernel computes (no window, no learned softmax offset, no dropout). Context parallelism
+    needs no check: the local DotProductAttention refuses it."""
     return (attention_dropout == 0.0 and config.window_size is None
-            and getattr(config, "softmax_type", "vanilla") == "vanilla"
-            and config.context_parallel_size == 1)
+            and getattr(config, "softmax_type", "vanilla") == "vanilla")
 
 
 class FusedCausalAttention(DotProductAttention):

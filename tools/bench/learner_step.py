@@ -46,7 +46,7 @@ def sort_digit_batch(rng: random.Random, groups: int, group_size: int, max_digit
 
 def masked_forward(model, tokens):
     """The learner's forward with an explicit causal mask: megatron-core's attention path."""
-    from megatron_rl.learner.learner import causal_mask
+    from megatron_rl.models.causal_attention import causal_mask
 
     b, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)

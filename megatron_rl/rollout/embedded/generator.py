@@ -28,7 +28,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ...learner.learner import causal_mask
+from ...models.causal_attention import causal_mask
 from ...types import SamplingParams
 from ..sampling import sample_tokens
 
