@@ -158,3 +158,36 @@ def test_non_streaming_requests_get_one_final_chunk(engine):
     chunks = asyncio.run(run())
     assert len(chunks) == 1 and chunks[0].finish_reason == "length"
     assert len(chunks[0].token_ids) == len(chunks[0].logprobs) == len(chunks[0].versions) == 9
+
+
+def _stop_mixed_batch(engine):
+    # Stop tokens 3 and 5 end rows at scattered steps; 12 rows compact after 8 have finished.
+    params = SamplingParams(max_new_tokens=30, stop_token_ids=(3, 5))
+    prompts = [[1 + i % 7, 2 + i % 5, 9] for i in range(12)]
+    return asyncio.run(generate_all(engine, prompts, params))
+
+
+def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypatch):
+    """The compute thread decodes several steps per hand-off; it must stop exactly where the
+    one-step loop would compact finished rows, or the rows (and the draws) would differ."""
+    import megatron_rl.rollout.embedded.engine as engine_module
+
+    def run(burst):
+        monkeypatch.setattr(engine_module, "DECODE_BURST", burst)
+        torch.manual_seed(0)
+        engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=16, seed=0)
+        handoffs = []
+        real = engine._decode_burst
+        engine._decode_burst = lambda *args: handoffs.append(1) or real(*args)
+        return _stop_mixed_batch(engine), engine.stats, len(handoffs)
+
+    single, single_stats, single_handoffs = run(1)
+    burst, burst_stats, burst_handoffs = run(16)
+    assert [t.response_ids for t in burst] == [t.response_ids for t in single]
+    assert [t.logprobs for t in burst] == [t.logprobs for t in single]
+    assert [t.finish_reason for t in burst] == [t.finish_reason for t in single]
+    assert {t.finish_reason for t in single} == {"stop", "length"}  # both kinds of finish were exercised
+    assert single_stats.admissions == burst_stats.admissions == 0
+    assert burst_stats.decode_steps == single_stats.decode_steps == single_handoffs
+    assert burst_stats.decode_rows == single_stats.decode_rows
+    assert burst_handoffs < single_handoffs / 3
