@@ -212,3 +212,25 @@ def test_micro_batch_layout_by_hand():
     b.logprobs = [-0.5, -0.6]
     with pytest.raises(ValueError, match="b/1: behav_logprobs has 2 values for 1 response tokens"):
         build_micro_batches([a, b], token_budget=15)
+
+
+def test_split_by_length_trades_padding_against_micro_batches():
+    from megatron_rl.learner.batch import split_by_length
+
+    lengths = [2] * 6 + [3] * 6 + [10] * 2 + [40]
+    # Free micro-batches: one per distinct length, no padding at all.
+    assert split_by_length(lengths, 1000, overhead_tokens=0) == [list(range(6)), list(range(6, 12)),
+                                                                 [12, 13], [14]]
+    # Costly ones: the short rows share one micro-batch (padded to 3: 6 tokens more than apart).
+    assert split_by_length(lengths, 1000, overhead_tokens=50) == [list(range(12)), [12, 13], [14]]
+    # Prohibitive ones: everything in one, as far as the token budget allows.
+    assert split_by_length(lengths, 1000, overhead_tokens=10**6) == [list(range(15))]
+    # Over the budget a run is cut into equal parts, never a part of one row padded alone.
+    assert split_by_length([5] * 10, 20, overhead_tokens=0) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert split_by_length([5] * 9, 20, overhead_tokens=0) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    # A sequence longer than the budget goes alone.
+    assert split_by_length([3, 3, 50], 20, overhead_tokens=10**6) == [[0, 1], [2]]
+    for budget, overhead in ((7, 0), (64, 16), (1000, 300)):
+        groups = split_by_length(sorted(lengths), budget, overhead)
+        assert [i for g in groups for i in g] == list(range(len(lengths)))
+        assert all(len(g) * lengths[g[-1]] <= budget or len(g) == 1 for g in groups)

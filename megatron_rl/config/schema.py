@@ -97,6 +97,11 @@ class LearnerConfig:
     clip_grad: float = 1.0
     # Token budget of one micro-batch (prompt + response tokens, padding included).
     micro_batch_tokens: int = 4096
+    # Without a pipeline, a batch is cut into micro-batches of similar lengths, trading padding
+    # against the fixed cost of each micro-batch, given here in padded tokens. None: 256 on a CPU,
+    # 4096 on a GPU (where a token costs far less next to a forward's fixed work); measured in
+    # learner/batch.py's docstring.
+    micro_batch_overhead_tokens: Optional[int] = None
     # PPO epochs over each batch (mini-batches split the batch into optimizer steps).
     ppo_epochs: int = 1
     mini_batches: int = 1

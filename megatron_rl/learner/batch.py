@@ -3,10 +3,12 @@
 Two packings within a token budget (rows × padded length):
 - equal shape: every micro-batch is [rows, longest sequence of the batch], so pipeline-parallel
   schedules can use one tensor shape; filler rows carry a zero loss mask.
-- by length (no pipeline): when the batch needs several micro-batches, sequences are sorted by
-  length and each micro-batch is padded only to its own longest, so a few long responses do not
-  make every row pay for their length (long-tailed batches train several times faster). A batch
-  that fits one micro-batch keeps its order.
+- by length (no pipeline): sequences are sorted by length and cut into runs of similar lengths,
+  each padded only to its own longest, so a few long responses do not make every row pay for
+  their length. Where the cuts go is chosen to minimise padded tokens plus a fixed cost per
+  micro-batch (``split_by_length``): on a long-tailed batch of 256 samples (3.1k tokens) that is
+  5 micro-batches and 3.6k padded tokens instead of 2 and 5.6k when cutting only at the token
+  budget, an 18 % shorter learner step on a CPU. A batch left in one piece keeps its order.
 The loss is a global per-token sum, so the packing does not change what is optimised.
 """
 
@@ -20,6 +22,12 @@ import torch
 from ..types import Trajectory
 
 # Per-response-token fields copied from each trajectory, aligned with the label positions.
+# What one more micro-batch costs, in padded tokens (its fixed Python and kernel-launch work),
+# when learner.micro_batch_overhead_tokens is not set. Measured: tiny_cpu's model on one CPU
+# thread, ~19 us per padded token and ~4 ms per micro-batch; Qwen2-1.5B's shape on one H200, a
+# long-tailed batch of 46k tokens trains in 1.37 s at 2048, 1.40 s at 8192 or more, 1.65 s at 512.
+MICRO_BATCH_OVERHEAD_TOKENS = {"cpu": 256, "cuda": 4096}
+
 _TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs", "old_values",
                  "returns")
 
@@ -47,15 +55,18 @@ class MicroBatch:
 
 
 def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0,
-                        equal_shape: bool = True) -> List[MicroBatch]:
+                        equal_shape: bool = True,
+                        overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS["cpu"]) -> List[MicroBatch]:
     """Pack trajectories into micro-batches of at most ``token_budget`` padded tokens (one row at
-    least): equal-shape (in order) or, with ``equal_shape=False``, by length."""
+    least): equal-shape (in order) or, with ``equal_shape=False``, by length (``split_by_length``)."""
     if not trajs:
         return []
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
     seq_len = max(lengths)
-    if not equal_shape and len(trajs) * seq_len > token_budget:
-        return _pack_by_length(trajs, lengths, token_budget, pad_id)
+    if not equal_shape:
+        by_length = _pack_by_length(trajs, lengths, token_budget, pad_id, overhead_tokens)
+        if len(by_length) > 1:
+            return by_length
     rows = max(1, token_budget // seq_len)
     batches = []
     for start in range(0, len(trajs), rows):
@@ -65,14 +76,49 @@ def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: 
 
 
 def _pack_by_length(trajs: Sequence[Trajectory], lengths: List[int], token_budget: int,
-                    pad_id: int) -> List[MicroBatch]:
+                    pad_id: int, overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS["cpu"]) -> List[MicroBatch]:
     order = sorted(range(len(trajs)), key=lambda i: lengths[i])
-    groups: List[List[int]] = [[]]
-    for i in order:  # ascending, so lengths[i] is the padded length if row i joins
-        if groups[-1] and (len(groups[-1]) + 1) * lengths[i] > token_budget:
-            groups.append([])
-        groups[-1].append(i)
-    return [_collate([trajs[i] for i in idx], idx, len(idx), lengths[idx[-1]], pad_id) for idx in groups]
+    groups = split_by_length([lengths[i] for i in order], token_budget, overhead_tokens)
+    return [_collate([trajs[order[k]] for k in grp], [order[k] for k in grp], len(grp), lengths[order[grp[-1]]], pad_id)
+            for grp in groups]
+
+
+def split_by_length(sorted_lengths: Sequence[int], token_budget: int,
+                    overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS["cpu"]) -> List[List[int]]:
+    """Split ascending lengths into runs (index lists), each padded to its last (longest) length
+    and within ``token_budget`` (a longer sequence alone), minimising padded tokens plus
+    ``overhead_tokens`` per run: what a micro-batch costs whatever its size, in tokens.
+
+    Dynamic programming over the boundaries between distinct lengths (a run that spans equal
+    lengths pads nothing more by splitting there): best[j] = min over i < j of best[i] + the cost
+    of rows i..j-1, where rows over the budget are cut into as many runs as the budget needs."""
+    n = len(sorted_lengths)
+    if not n:
+        return []
+    cuts = [0] + [k for k in range(1, n) if sorted_lengths[k] != sorted_lengths[k - 1]] + [n]
+    best = [0.0] + [float("inf")] * (len(cuts) - 1)
+    choice = [0] * len(cuts)
+    for j in range(1, len(cuts)):
+        longest = sorted_lengths[cuts[j] - 1]
+        per_run = max(1, token_budget // longest)
+        for i in range(j):
+            rows = cuts[j] - cuts[i]
+            runs = -(-rows // per_run)
+            cost = best[i] + runs * overhead_tokens + rows * longest
+            if cost < best[j]:
+                best[j], choice[j] = cost, i
+    bounds, j = [], len(cuts) - 1
+    while j:
+        bounds.append((cuts[choice[j]], cuts[j]))
+        j = choice[j]
+    groups: List[List[int]] = []
+    for start, end in reversed(bounds):
+        per_run = max(1, token_budget // sorted_lengths[end - 1])
+        runs = -(-(end - start) // per_run)
+        # Equal-sized runs: the last is not left with a few rows padded to the longest length.
+        size = -(-(end - start) // runs)
+        groups.extend(list(range(k, min(k + size, end))) for k in range(start, end, size))
+    return groups
 
 
 def _token_values(traj: Trajectory) -> Dict[str, List[float]]:

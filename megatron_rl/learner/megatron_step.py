@@ -12,7 +12,7 @@ import torch
 
 from ..config.schema import LearnerConfig
 from ..types import Trajectory
-from .batch import MicroBatch, build_micro_batches, response_values
+from .batch import MICRO_BATCH_OVERHEAD_TOKENS, MicroBatch, build_micro_batches, response_values
 from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas, uniform_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,10 @@ def micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int) -
     if lc.ep > 1:  # MoE layers exchange tokens between replicas per micro-batch
         return uniform_micro_batches(trajs, lc.micro_batch_tokens, pad_id)
     # Pipeline schedules exchange one activation shape; without a pipeline, pack by length.
-    return build_micro_batches(trajs, lc.micro_batch_tokens, pad_id, equal_shape=lc.pp > 1)
+    overhead = lc.micro_batch_overhead_tokens
+    if overhead is None:
+        overhead = MICRO_BATCH_OVERHEAD_TOKENS["cuda" if torch.cuda.is_available() else "cpu"]
+    return build_micro_batches(trajs, lc.micro_batch_tokens, pad_id, equal_shape=lc.pp > 1, overhead_tokens=overhead)
 
 
 def local_micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int) -> List[MicroBatch]:
