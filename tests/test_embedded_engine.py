@@ -181,10 +181,14 @@ def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypat
     one-step loop would compact finished rows, or the rows (and the draws) would differ."""
     import megatron_rl.rollout.embedded.engine as engine_module
 
+    weights = {}
+
     def run(burst):
         monkeypatch.setattr(engine_module, "DECODE_BURST", burst)
-        torch.manual_seed(0)
         engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=16, seed=0)
+        # The same weights for both (on a GPU, Megatron's initialisation RNG moves on per model).
+        weights.setdefault("state", engine.model.state_dict())
+        engine.model.load_state_dict(weights["state"])
         handoffs = []
         real = engine._decode_burst
         engine._decode_burst = lambda *args: handoffs.append(1) or real(*args)
