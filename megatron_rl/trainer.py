@@ -176,9 +176,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces of a step
     async def sync_weights(self) -> None:
-        await self.engine.pause()
-        await self.engine.update_weights(self.learner.export_hf_weights(), self.version)
-        await self.engine.resume()
+        await self.engine.swap_weights(self.learner.export_hf_weights(), self.version)
 
     async def generate(self, prompts: Sequence[Prompt], step: int) -> List[List[Trajectory]]:
         return await generate_groups(self.engine, [(p, self.cfg.algo.group_size) for p in prompts], self.params,

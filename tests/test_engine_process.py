@@ -34,16 +34,25 @@ def test_child_process_engine_logprobs_equal_the_learners(megatron_world):
 
     async def run():
         engine = EngineProcess(cfg.model, VOCAB, seed=11)
-        await engine.pause()
-        await engine.update_weights(learner.export_hf_weights(), version=3)
-        await engine.resume()
+        # pause, load and resume go down the pipe together (one round trip)
+        await engine.swap_weights(learner.export_hf_weights(), version=3)
         trajs = await generate_all(engine, prompts, params)
+        # ... also in the middle of requests, which continue on the new version
+        long = SamplingParams(max_new_tokens=40)  # streamed: the engine's counters come back per step
+        first = engine.stats.decode_steps
+        running = asyncio.ensure_future(generate_all(engine, prompts, long, tag="late"))
+        while engine.stats.decode_steps < first + 2:
+            await asyncio.sleep(0.005)
+        await engine.swap_weights(learner.export_hf_weights(), version=4)
+        late = await running
         await engine.shutdown()
-        return trajs, engine.stats
+        return trajs, late, engine.stats
 
-    trajs, stats = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    trajs, late, stats = asyncio.run(asyncio.wait_for(run(), timeout=120))
     assert all(t.versions == [3] * len(t.response_ids) and t.response_ids for t in trajs)
-    assert stats.tokens == sum(len(t.response_ids) for t in trajs)  # counters come back too
+    assert all(len(t.response_ids) == 40 and t.versions == sorted(t.versions) for t in late)
+    assert {v for t in late for v in t.versions} == {3, 4}
+    assert stats.tokens == sum(len(t.response_ids) for t in trajs + late)  # counters come back too
     ours = learner.compute_logprobs(trajs, 1.0)
     gap = max(abs(a - b) for t, row in zip(trajs, ours) for a, b in zip(t.logprobs, row))
     assert gap <= 1e-5, gap

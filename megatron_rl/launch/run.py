@@ -107,12 +107,7 @@ def _serve_engine(cfg: RootConfig, vocab: int, groups, engine_index: int) -> Non
     def load() -> None:
         version, tensors, stats = receive_weights(groups)
 
-        async def swap():
-            await engine.pause()
-            await engine.update_weights(tensors.items(), version)
-            await engine.resume()
-
-        loop.run_until_complete(swap())
+        loop.run_until_complete(engine.swap_weights(tensors.items(), version))
         logger.debug("engine %d: weights v%d, %.1f MB in %.3f s", engine_index, version, stats.bytes / 1e6, stats.seconds)
 
     async def generate(work: List[Tuple[object, int]], params: SamplingParams, step: int) -> List[List[Trajectory]]:
@@ -158,9 +153,7 @@ class _LocalEngine:
 
         async def swap():
             await self.engine.wake_up()
-            await self.engine.pause()
-            await self.engine.update_weights(tensors.items(), version)
-            await self.engine.resume()
+            await self.engine.swap_weights(tensors.items(), version)
 
         self.loop.run_until_complete(swap())
         return time.perf_counter() - start, sum(t.numel() * t.element_size() for t in tensors.values())

@@ -49,6 +49,12 @@ class RolloutEngine(abc.ABC):
     async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         """Load Hugging Face-named full tensors as policy ``version``; only while paused."""
 
+    async def swap_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+        """Pause at the next step, load ``version``, resume: in-flight requests continue on it."""
+        await self.pause()
+        await self.update_weights(named_tensors, version)
+        await self.resume()
+
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The policy version of the weights currently loaded."""
