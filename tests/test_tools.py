@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
@@ -57,10 +59,12 @@ def test_engine_decode_bench_prints_both_attentions():
     assert len(rows) == 2 and all(row[-1].endswith("x") and float(row[1]) > 0 and float(row[2]) > 0 for row in rows)
 
 
-def test_learner_step_bench_prints_both_attentions():
-    out = subprocess.run([sys.executable, str(TOOLS / "bench/learner_step.py"), "--recipe", "tiny_cpu", "--digits", "6",
-                          "--threads", "1", "--steps", "2", "--repeats", "1", "algo.groups_per_batch=2", "learner.mini_batches=1",
-                          "algo.group_size=4"], capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
+@pytest.mark.parametrize("compare", ["attention", "packing"])
+def test_learner_step_bench_prints_both_ways(compare):
+    out = subprocess.run([sys.executable, str(TOOLS / "bench/learner_step.py"), "--compare", compare, "--recipe",
+                          "tiny_cpu", "--digits", "6", "--threads", "1", "--steps", "2", "--repeats", "1",
+                          "algo.groups_per_batch=2", "learner.mini_batches=1", "algo.group_size=4"],
+                         capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["6"]]
     assert len(rows) == 1 and rows[0][-1].endswith("x") and float(rows[0][3]) > 0 and float(rows[0][4]) > 0, out.stdout

@@ -1,15 +1,19 @@
-"""Benchmark: the learner's train step, megatron-core's masked attention vs the fused causal kernel.
+"""Benchmark: the learner's train step two ways, A/B (--compare attention or packing).
 
-    python tools/bench/learner_step.py [--recipe longtail_cpu] [--digits 60,120] [--threads 1,2]
-        [--steps 8] [override ...]
+    python tools/bench/learner_step.py [--compare attention] [--recipe longtail_cpu] [--digits 60,120]
+        [--threads 1,2] [--steps 8] [override ...]
 
 Builds the recipe's learner once and trains it on synthetic GRPO batches shaped like the
 benchmark workload's (sort_digits: groups of ``algo.group_size`` samples sharing a prompt of n
 digits, P(n) ∝ (n-1)^-1.5 up to --digits, responses of n+1 tokens), timing ``train_step`` two
-ways per row: the learner's forward as it is (no mask: models/causal_attention.py's fused
-kernel) and the same forward given the explicit causal mask, which takes megatron-core's local
-attention. Prints seconds per step for both (medians of --repeats alternating runs) and the
-ratio, per digit range and thread count.
+ways per row:
+- ``attention``: the learner's forward as it is (no mask: models/causal_attention.py's fused
+  kernel) vs the same forward given the explicit causal mask, which takes megatron-core's local
+  attention;
+- ``packing``: micro-batches cut where padding costs more than another micro-batch (the default,
+  learner/batch.py's split_by_length) vs cut only where the token budget forces it.
+Prints seconds per step for both (medians of --repeats alternating runs) and the ratio, per digit
+range and thread count.
 Extra arguments are config overrides (e.g. model.hidden_size=128).
 """
 
@@ -53,6 +57,11 @@ def masked_forward(model, tokens):
     return model(tokens, positions, causal_mask(s, tokens.device))
 
 
+def fewest_micro_batches(learner):
+    """Packing B: as few micro-batches as the token budget allows (a prohibitive per-batch cost)."""
+    learner.cfg.learner.micro_batch_overhead_tokens = 10**9
+
+
 def seconds_per_step(learner, batches, temperature: float = 1.0) -> float:
     learner.train_step(batches[0], temperature, lr=1e-5)  # warm-up
     start = time.perf_counter()
@@ -63,6 +72,7 @@ def seconds_per_step(learner, batches, temperature: float = 1.0) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", choices=("attention", "packing"), default="attention")
     parser.add_argument("--recipe", default="longtail_cpu")
     parser.add_argument("--digits", default="60,120", help="largest digit count of each row's workload")
     parser.add_argument("--threads", default="1,2")
@@ -82,26 +92,39 @@ def main() -> None:
     init_model_parallel(1, 1, seed=cfg.trainer.seed)
     learner = Learner(cfg, vocab_size=16)
     fused_forward = learner_module.forward_logits
+    default_overhead = learner.cfg.learner.micro_batch_overhead_tokens
+
+    def use_masked(on: bool) -> None:
+        learner_module.forward_logits = masked_forward if on else fused_forward
+
+    def use_fewest(on: bool) -> None:
+        if on:
+            fewest_micro_batches(learner)
+        else:
+            learner.cfg.learner.micro_batch_overhead_tokens = default_overhead
+
+    names, switch = {"attention": (("megatron s", "fused s"), use_masked),
+                     "packing": (("fewest s", "split s"), use_fewest)}[args.compare]
     groups, size = cfg.algo.groups_per_batch, cfg.algo.group_size
     print(f"recipe={args.recipe} groups={groups}x{size} hidden={cfg.model.hidden_size} layers={cfg.model.num_layers} "
-          f"steps={args.steps} {' '.join(overrides)}")
-    print(f"{'digits':>7} {'tokens/step':>12} {'threads':>8} {'megatron s':>11} {'fused s':>8} {'ratio':>6}")
+          f"steps={args.steps} compare={args.compare} {' '.join(overrides)}")
+    print(f"{'digits':>7} {'tokens/step':>12} {'threads':>8} {names[0]:>11} {names[1]:>8} {'ratio':>6}")
     for max_digits in digits:
         rng = random.Random(max_digits)
         batches = [sort_digit_batch(rng, groups, size, max_digits) for _ in range(args.steps + 1)]
         tokens = sum(len(t.prompt_ids) + len(t.response_ids) for t in batches[0])
         for threads in (int(t) for t in args.threads.split(",")):
             torch.set_num_threads(threads)
-            timings = {"megatron": [], "fused": []}
+            timings = {"a": [], "b": []}
             for _ in range(args.repeats):  # alternating: a machine's speed drifts from minute to minute
-                learner_module.forward_logits = masked_forward
+                switch(True)
                 try:
-                    timings["megatron"].append(seconds_per_step(learner, batches))
+                    timings["a"].append(seconds_per_step(learner, batches))
                 finally:
-                    learner_module.forward_logits = fused_forward
-                timings["fused"].append(seconds_per_step(learner, batches))
-            megatron, fused = (statistics.median(timings[k]) for k in ("megatron", "fused"))
-            print(f"{max_digits:>7} {tokens:>12} {threads:>8} {megatron:>11.3f} {fused:>8.3f} {megatron / fused:>5.2f}x")
+                    switch(False)
+                timings["b"].append(seconds_per_step(learner, batches))
+            a, b = (statistics.median(timings[k]) for k in ("a", "b"))
+            print(f"{max_digits:>7} {tokens:>12} {threads:>8} {a:>11.3f} {b:>8.3f} {a / b:>5.2f}x")
 
 
 if __name__ == "__main__":
