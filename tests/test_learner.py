@@ -230,6 +230,11 @@ def test_split_by_length_trades_padding_against_micro_batches():
     assert split_by_length([5] * 9, 20, overhead_tokens=0) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
     # A sequence longer than the budget goes alone.
     assert split_by_length([3, 3, 50], 20, overhead_tokens=10**6) == [[0, 1], [2]]
+    # Thousands of distinct lengths (long contexts): the search keeps a bounded set of cut points.
+    many = list(range(1, 3001))
+    groups = split_by_length(many, 6000, 100)
+    assert [i for g in groups for i in g] == list(range(len(many)))
+    assert all(len(g) * many[g[-1]] <= 6000 or len(g) == 1 for g in groups)
     for budget, overhead in ((7, 0), (64, 16), (1000, 300)):
         groups = split_by_length(sorted(lengths), budget, overhead)
         assert [i for g in groups for i in g] == list(range(len(lengths)))
