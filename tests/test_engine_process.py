@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from megatron_rl.config.schema import RootConfig
 from megatron_rl.learner.learner import Learner
@@ -129,3 +130,32 @@ def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_worl
         trainer.run()
     assert trainer.ledger.balanced()
     assert trainer.ledger.counts["returned_stopped"] >= 1
+
+
+def test_later_weight_updates_reuse_the_shared_buffers_and_arrive_whole(megatron_world):
+    """After the first update the child keeps the shared-memory buffers and later updates only
+    rewrite them: each update's weights (not the previous ones) are what the child samples with."""
+    cfg = _cfg()
+    learner = Learner(cfg, VOCAB)
+    prompts = [[(5 * i + j) % 40 + 1 for j in range(3 + i)] for i in range(6)]
+    params = SamplingParams(max_new_tokens=8, stream=False)
+
+    async def run():
+        engine = EngineProcess(cfg.model, VOCAB, seed=3)
+        rounds = []
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for p in learner.module.parameters():
+                    p.add_(torch.randn_like(p) * 0.1)
+            await engine.swap_weights(learner.export_hf_weights(), version)
+            trajs = await generate_all(engine, prompts, params, tag=f"v{version}-")
+            rounds.append((trajs, learner.compute_logprobs(trajs, 1.0), engine._shared_weights))
+        await engine.shutdown()
+        return rounds
+
+    rounds = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert rounds[0][2] is not None and all(r[2] is rounds[0][2] for r in rounds)  # one set of buffers
+    for version, (trajs, ours, _) in enumerate(rounds, start=1):
+        assert all(t.versions == [version] * len(t.response_ids) for t in trajs)
+        gap = max(abs(a - b) for t, row in zip(trajs, ours) for a, b in zip(t.logprobs, row))
+        assert gap <= 1e-5, (version, gap)

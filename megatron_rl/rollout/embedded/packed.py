@@ -32,9 +32,10 @@ class PackedWeights:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 
 
-def pack_weights(named_tensors: Iterable[Tuple[str, torch.Tensor]],
-                 device: Optional[torch.device] = None) -> PackedWeights:
-    """Copy ``named_tensors`` into fresh flat buffers on ``device`` (default: where they are)."""
+def pack_weights(named_tensors: Iterable[Tuple[str, torch.Tensor]], device: Optional[torch.device] = None,
+                 into: Optional[PackedWeights] = None) -> PackedWeights:
+    """Copy ``named_tensors`` into fresh flat buffers on ``device`` (default: where they are), or
+    into the buffers of ``into`` when they have the same layout (names, dtypes, shapes)."""
     tensors = [(name, t.detach()) for name, t in named_tensors]
     sizes: Dict[str, int] = {}
     index: List[Tuple[str, str, int, Tuple[int, ...]]] = []
@@ -42,12 +43,16 @@ def pack_weights(named_tensors: Iterable[Tuple[str, torch.Tensor]],
         dtype = str(t.dtype).removeprefix("torch.")
         index.append((name, dtype, sizes.get(dtype, 0), tuple(t.shape)))
         sizes[dtype] = sizes.get(dtype, 0) + t.numel()
-    if device is None:
-        device = tensors[0][1].device if tensors else torch.device("cpu")
-    buffers = {dtype: torch.empty(n, dtype=getattr(torch, dtype), device=device) for dtype, n in sizes.items()}
-    if device.type == "cpu":
-        # In shared memory from the start: sending it then copies nothing more.
-        buffers = {dtype: b.share_memory_() for dtype, b in buffers.items()}
+    if into is not None and into.index == index:
+        buffers = into.buffers
+        device = next(iter(buffers.values())).device if buffers else torch.device("cpu")
+    else:
+        if device is None:
+            device = tensors[0][1].device if tensors else torch.device("cpu")
+        buffers = {dtype: torch.empty(n, dtype=getattr(torch, dtype), device=device) for dtype, n in sizes.items()}
+        if device.type == "cpu":
+            # In shared memory from the start: sending it then copies nothing more.
+            buffers = {dtype: b.share_memory_() for dtype, b in buffers.items()}
     for (name, t), (_, dtype, offset, _) in zip(tensors, index):
         buffers[dtype][offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=True)
     if device.type == "cuda":

@@ -27,7 +27,7 @@ from ...config.schema import ModelConfig
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
 from .engine import EngineStats
-from .packed import pack_weights
+from .packed import PackedWeights, pack_weights
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class EngineProcess(RolloutEngine):
         # Requests made in one event-loop turn go down the pipe together (a group's G samples, a
         # whole batch at η = 0).
         self._outbox = _Outbox(self._write_quietly)
+        self._shared_weights: Optional[PackedWeights] = None  # CPU buffers the child also holds
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -172,11 +173,20 @@ class EngineProcess(RolloutEngine):
         await self._call("resume")
 
     async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
-        # Packed into fresh buffers, whose storage torch hands to the child (shared memory on a
-        # CPU, a CUDA IPC handle on a GPU, on the engine's own GPU when it has one). They stay
-        # alive here until the child has copied them into its model and replied.
-        packed = pack_weights(named_tensors, self._weights_device())
-        await self._call("update_weights", packed, version)
+        # Packed into buffers whose storage torch hands to the child (shared memory on a CPU, a
+        # CUDA IPC handle on a GPU, on the engine's own GPU when it has one). On a CPU both keep
+        # the shared buffers: later updates of the same layout are copied into them and only
+        # the version goes down the pipe (sending a segment's handle again costs ~5 ms on a
+        # 2-core CPU). Updates never overlap: the next starts after the child replied, i.e.
+        # after it copied the last one out. GPU buffers are fresh each time, released after.
+        shared = self._shared_weights
+        packed = pack_weights(named_tensors, self._weights_device(), into=shared)
+        if shared is not None and packed.buffers is shared.buffers:
+            await self._call("update_weights_shared", version)
+        else:
+            await self._call("update_weights", packed, version)
+            on_cpu = all(b.device.type == "cpu" for b in packed.buffers.values())
+            self._shared_weights = packed if on_cpu else None
         self._version = version
         del packed
         if torch.cuda.is_available():
@@ -348,6 +358,7 @@ class _ChildServer:
     def __init__(self, conn, engine) -> None:
         self.conn, self.engine = conn, engine
         self.tasks: Dict[str, asyncio.Task] = {}
+        self.shared_weights = None  # the parent's shared-memory weight buffers (CPU), reused
         # Chunks finished in one event-loop turn (often a whole decode step's worth of requests)
         # go up together, followed by the engine's counters once.
         self.outbox = _Outbox(self.send, trailer=lambda: ("stats", self.engine.stats))
@@ -394,6 +405,10 @@ class _ChildServer:
                 _, call_id, name, args = message
                 error = result = None
                 try:
+                    if name == "update_weights_shared":  # new contents of the buffers kept below
+                        name, args = "update_weights", (self.shared_weights, *args)
+                    elif name == "update_weights" and all(b.device.type == "cpu" for b in args[0].buffers.values()):
+                        self.shared_weights = args[0]
                     result = await getattr(self.engine, name)(*args)
                 except Exception as err:  # noqa: BLE001 - the parent raises it
                     error = f"{name} failed in the engine process: {err}"
