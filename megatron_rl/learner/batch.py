@@ -21,13 +21,13 @@ import torch
 
 from ..types import Trajectory
 
-# Per-response-token fields copied from each trajectory, aligned with the label positions.
 # What one more micro-batch costs, in padded tokens (its fixed Python and kernel-launch work),
 # when learner.micro_batch_overhead_tokens is not set. Measured: tiny_cpu's model on one CPU
 # thread, ~19 us per padded token and ~4 ms per micro-batch; Qwen2-1.5B's shape on one H200, a
 # long-tailed batch of 46k tokens trains in 1.37 s at 2048, 1.40 s at 8192 or more, 1.65 s at 512.
 MICRO_BATCH_OVERHEAD_TOKENS = {"cpu": 256, "cuda": 4096}
 
+# Per-response-token fields copied from each trajectory, aligned with the label positions.
 _TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs", "old_values",
                  "returns")
 
