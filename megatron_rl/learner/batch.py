@@ -64,23 +64,17 @@ def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: 
     lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
     seq_len = max(lengths)
     if not equal_shape:
-        by_length = _pack_by_length(trajs, lengths, token_budget, pad_id, overhead_tokens)
-        if len(by_length) > 1:
-            return by_length
+        order = sorted(range(len(trajs)), key=lambda i: lengths[i])
+        groups = split_by_length([lengths[i] for i in order], token_budget, overhead_tokens)
+        if len(groups) > 1:  # else the batch stays one micro-batch, in its order (below)
+            return [_collate([trajs[order[k]] for k in grp], [order[k] for k in grp], len(grp),
+                             lengths[order[grp[-1]]], pad_id) for grp in groups]
     rows = max(1, token_budget // seq_len)
     batches = []
     for start in range(0, len(trajs), rows):
         idx = list(range(start, min(start + rows, len(trajs))))
         batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
     return batches
-
-
-def _pack_by_length(trajs: Sequence[Trajectory], lengths: List[int], token_budget: int,
-                    pad_id: int, overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS["cpu"]) -> List[MicroBatch]:
-    order = sorted(range(len(trajs)), key=lambda i: lengths[i])
-    groups = split_by_length([lengths[i] for i in order], token_budget, overhead_tokens)
-    return [_collate([trajs[order[k]] for k in grp], [order[k] for k in grp], len(grp), lengths[order[grp[-1]]], pad_id)
-            for grp in groups]
 
 
 # Cut points the search considers at most (~30 ms of Python at this many): long-context batches can

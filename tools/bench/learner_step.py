@@ -57,11 +57,6 @@ def masked_forward(model, tokens):
     return model(tokens, positions, causal_mask(s, tokens.device))
 
 
-def fewest_micro_batches(learner):
-    """Packing B: as few micro-batches as the token budget allows (a prohibitive per-batch cost)."""
-    learner.cfg.learner.micro_batch_overhead_tokens = 10**9
-
-
 def seconds_per_step(learner, batches, temperature: float = 1.0) -> float:
     learner.train_step(batches[0], temperature, lr=1e-5)  # warm-up
     start = time.perf_counter()
@@ -98,10 +93,8 @@ def main() -> None:
         learner_module.forward_logits = masked_forward if on else fused_forward
 
     def use_fewest(on: bool) -> None:
-        if on:
-            fewest_micro_batches(learner)
-        else:
-            learner.cfg.learner.micro_batch_overhead_tokens = default_overhead
+        # As few micro-batches as the token budget allows: a prohibitive cost per micro-batch.
+        learner.cfg.learner.micro_batch_overhead_tokens = 10**9 if on else default_overhead
 
     names, switch = {"attention": (("megatron s", "fused s"), use_masked),
                      "packing": (("fewest s", "split s"), use_fewest)}[args.compare]

@@ -28,6 +28,11 @@ class PackedWeights:
             yield name, self.buffers[dtype][offset : offset + math.prod(shape)].view(shape)
 
     @property
+    def on_cpu(self) -> bool:
+        """Shared-memory buffers, which both processes can keep and reuse."""
+        return all(b.device.type == "cpu" for b in self.buffers.values())
+
+    @property
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers.values())
 

@@ -185,8 +185,7 @@ class EngineProcess(RolloutEngine):
             await self._call("update_weights_shared", version)
         else:
             await self._call("update_weights", packed, version)
-            on_cpu = all(b.device.type == "cpu" for b in packed.buffers.values())
-            self._shared_weights = packed if on_cpu else None
+            self._shared_weights = packed if packed.on_cpu else None
         self._version = version
         del packed
         if torch.cuda.is_available():
@@ -407,7 +406,7 @@ class _ChildServer:
                 try:
                     if name == "update_weights_shared":  # new contents of the buffers kept below
                         name, args = "update_weights", (self.shared_weights, *args)
-                    elif name == "update_weights" and all(b.device.type == "cpu" for b in args[0].buffers.values()):
+                    elif name == "update_weights" and args[0].on_cpu:
                         self.shared_weights = args[0]
                     result = await getattr(self.engine, name)(*args)
                 except Exception as err:  # noqa: BLE001 - the parent raises it
