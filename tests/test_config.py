@@ -43,6 +43,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("algo.lam=1.5", "algo.lam=1.5 must be in [0, 1]"),
         ("critic.lr=0", "critic.lr=0.0 must be > 0 (or null to use learner.lr)"),
         ("critic.value_clip=-1", "critic.value_clip=-1.0 must be >= 0"),
+        ("learner.micro_batch_overhead_tokens=-1", "learner.micro_batch_overhead_tokens=-1 must be >= 0"),
         ("reward.overlong_buffer=8", "reward.overlong_buffer=8 exceeds rollout.max_new_tokens=7"),
         ("model.family=mixtral model.num_experts=4 model.moe_router_topk=5",
          "model.moe_router_topk=5 must be in [1, model.num_experts=4]"),

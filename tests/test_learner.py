@@ -239,3 +239,19 @@ def test_split_by_length_trades_padding_against_micro_batches():
         groups = split_by_length(sorted(lengths), budget, overhead)
         assert [i for g in groups for i in g] == list(range(len(lengths)))
         assert all(len(g) * lengths[g[-1]] <= budget or len(g) == 1 for g in groups)
+
+
+def test_micro_batch_overhead_defaults_by_device_and_can_be_set():
+    """learner.micro_batch_overhead_tokens unset: the device's measured default (CPU here, where
+    the batch below splits); set: what it says (prohibitive: one micro-batch; free: one per length)."""
+    from megatron_rl.config.schema import LearnerConfig
+    from megatron_rl.learner.megatron_step import micro_batches
+
+    trajs = _long_tailed_batch()
+    lc = LearnerConfig(micro_batch_tokens=1000)
+    assert lc.micro_batch_overhead_tokens is None
+    by_default = micro_batches(trajs, lc, 0)
+    lc.micro_batch_overhead_tokens = 10**9
+    assert len(by_default) > 1 and len(micro_batches(trajs, lc, 0)) == 1
+    lc.micro_batch_overhead_tokens = 0
+    assert len(micro_batches(trajs, lc, 0)) == len({len(t.prompt_ids) + len(t.response_ids) for t in trajs})
