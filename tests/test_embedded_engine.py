@@ -204,3 +204,54 @@ def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypat
     assert burst_stats.decode_steps == single_stats.decode_steps == single_handoffs
     assert burst_stats.decode_rows == single_stats.decode_rows
     assert burst_handoffs < single_handoffs / 2
+
+
+def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whole(megatron_world):
+    """generate_n answers a group with one future (no stream per request). Its responses must be
+    what the same requests made one by one get (same seed and weights: same rows, same draws);
+    cancelling the group aborts its requests; a failed step fails the group with the error."""
+    from megatron_rl.rollout.engine import RolloutEngine
+
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), stream=False)
+    ids = [f"g{i}" for i in range(5)]
+    weights = {}
+
+    def build():
+        engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=8, seed=0)
+        weights.setdefault("state", engine.model.state_dict())
+        engine.model.load_state_dict(weights["state"])
+        return engine
+
+    async def grouped(per_request: bool):
+        engine = build()
+        generate_n = RolloutEngine.generate_n.__get__(engine) if per_request else engine.generate_n
+        out = await generate_n(ids, [1, 4, 2], params)
+        await engine.shutdown()
+        return out
+
+    async def cancelled_and_failed():
+        engine = build()
+        slow = SamplingParams(max_new_tokens=60, stream=False)
+        group = engine.generate_n(["c0", "c1"], [1, 2], slow)
+        requests = list(engine._pending)
+        while not any(r.tokens for r in requests):  # running
+            await asyncio.sleep(0.001)
+        group.cancel()
+        while engine._running or engine._pending:
+            await asyncio.sleep(0.001)
+        finishes = [r.finish for r in requests]
+        engine._gen.decode = lambda *a: (_ for _ in ()).throw(RuntimeError("kernel fault"))
+        with pytest.raises(EngineError, match="kernel fault"):
+            await engine.generate_n(["f0", "f1"], [1, 2], slow)
+        await engine.shutdown()
+        return finishes
+
+    separate = asyncio.run(grouped(per_request=True))
+    whole = asyncio.run(grouped(per_request=False))
+    assert [r.request_id for r in whole] == ids
+    assert [r.token_ids for r in whole] == [r.token_ids for r in separate]
+    assert [r.logprobs for r in whole] == [r.logprobs for r in separate]
+    assert [r.finish_reason for r in whole] == [r.finish_reason for r in separate]
+    assert len({tuple(r.token_ids) for r in whole}) > 1  # sampled, not one answer copied
+    assert all(len(r.token_ids) == len(r.logprobs) == len(r.versions) for r in whole)
+    assert asyncio.run(asyncio.wait_for(cancelled_and_failed(), timeout=60)) == ["abort", "abort"]
