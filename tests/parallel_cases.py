@@ -34,14 +34,16 @@ def tiny_cfg(tp: int = 1, pp: int = 1, dp_optimizer: bool = False, ep: int = 1, 
 
 
 def batch(n: int = 12) -> List[Trajectory]:
-    """Responses of 1..17 tokens with mixed advantages and behaviour logprobs off-policy."""
+    """Responses of 1..17 tokens with mixed advantages and behaviour logprobs off-policy, four
+    samples per prompt."""
     gen = torch.Generator().manual_seed(0)
     lengths = [1, 2, 2, 3, 3, 4, 5, 6, 9, 17, 4, 7][:n]
     trajs = []
     for i, k in enumerate(lengths):
         resp = torch.randint(4, VOCAB, (k,), generator=gen).tolist()
         behav = (-3.0 - torch.rand(k, generator=gen)).tolist()
-        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3, 4 + i % 5], resp, behav, [0] * k, "stop",
+        # Three prompts, four samples each: GRPO groups (learner.share_prompts trains each once).
+        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3, 4 + i % 3], resp, behav, [0] * k, "stop",
                                 advantage=float(i % 3 - 1)))
     return trajs
 

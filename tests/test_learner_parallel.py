@@ -1,5 +1,6 @@
 """A sharded learner equals a single-process one with the same weights: logprobs, one training
-step's loss and the updated weights, at TP=2, PP=2, TP=2xPP=2 and DP=2 (DistributedOptimizer),
+step's loss and the updated weights, at TP=2, PP=2, TP=2xPP=2 and DP=2 (DistributedOptimizer), and
+at TP=2 with each prompt trained once (learner.share_prompts),
 each run on real gloo ranks (or on GPUs over NCCL: MEGATRON_RL_TEST_BACKEND=nccl, see multiprocess.py)."""
 
 import copy
@@ -56,6 +57,14 @@ def test_sharded_learner_equals_single_process(reference, tp, pp, dp):
     out = _check(reference, cfg, tp * pp * dp)
     assert sorted((o["dp_rank"], o["pp_rank"], o["tp_rank"]) for o in out) == sorted(
         (d, p, t) for d in range(dp) for p in range(pp) for t in range(tp))
+
+
+def test_tensor_parallel_learner_with_shared_prompts_equals_single_process(reference):
+    """TP=2 with learner.share_prompts (one forward row per prompt, models/shared_prefix.py)
+    against the single-process learner on plain rows."""
+    cfg = tiny_cfg(2, 1)
+    cfg.learner.share_prompts = True
+    _check(reference, cfg, 2)
 
 
 def test_expert_parallel_moe_learner_equals_single_process(moe_reference):

@@ -102,6 +102,11 @@ class LearnerConfig:
     # 4096 on a GPU (where a token costs far less next to a forward's fixed work); measured in
     # learner/batch.py's docstring.
     micro_batch_overhead_tokens: Optional[int] = None
+    # Train each prompt once per micro-batch: a GRPO group's responses follow one copy of their
+    # prompt and attend to it (models/shared_prefix.py), instead of G rows of prompt + response.
+    # Same losses and gradients, fewer tokens. Local layer spec only (no TransformerEngine),
+    # plain RoPE, no pipeline, context or expert parallelism.
+    share_prompts: bool = False
     # PPO epochs over each batch (mini-batches split the batch into optimizer steps).
     ppo_epochs: int = 1
     mini_batches: int = 1

@@ -8,6 +8,7 @@ from typing import Any, Iterable
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES
 from ..models.families import FAMILY_NAMES, get_family
+from ..models.shared_prefix import unsupported
 from .schema import RootConfig
 
 
@@ -190,6 +191,9 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"data.max_digits={d.max_digits} exceeds the {len(set(d.digits))} distinct symbols of "
             f"data.digits={d.digits!r}; lower it or set data.distinct_digits=false"
         )
+    if cfg.learner.share_prompts and (reasons := unsupported(m, cfg.learner)):
+        raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
+                          + ": set learner.share_prompts=false")
     if d.name in ("gsm8k", "jsonl") and not d.path:
         raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl")
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens

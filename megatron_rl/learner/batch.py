@@ -15,10 +15,11 @@ The loss is a global per-token sum, so the packing does not change what is optim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..models.shared_prefix import SegmentLayout, build_segment_layout
 from ..types import Trajectory
 
 # What one more micro-batch costs, in padded tokens (its fixed Python and kernel-launch work),
@@ -44,14 +45,36 @@ class MicroBatch:
     old_values: torch.Tensor      # [b, s] critic values before its update (zeros without a critic)
     returns: torch.Tensor         # [b, s] the critic's regression targets (zeros without a critic)
     rows: List[int]               # index of each row in the trajectory list (-1 for filler)
+    # With learner.share_prompts: what the model runs instead of ``tokens`` (one row per group);
+    # its logits, gathered, are laid out as ``tokens``' would be, so the loss side is unchanged.
+    shared: Optional["SharedForward"] = None
 
     def to(self, device: torch.device) -> "MicroBatch":
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
+        moved = {k: (v.to(device) if isinstance(v, (torch.Tensor, SharedForward)) else v)
+                 for k, v in self.__dict__.items()}
         return MicroBatch(**moved)
 
     @property
     def seq_len(self) -> int:
         return self.tokens.shape[1]
+
+
+@dataclass
+class SharedForward:
+    """One forward row per group: its prompt, then each response (models/shared_prefix.py)."""
+
+    tokens: torch.Tensor      # [groups, s_f] prompt, response 1, ..., response G, right padded
+    positions: torch.Tensor   # [groups, s_f] each token's position in its own prompt + response
+    layout: SegmentLayout     # which slots attend to which
+    logit_index: torch.Tensor  # [rows, s] flat slot whose logits sit at each place of the batch's layout
+
+    def to(self, device: torch.device) -> "SharedForward":
+        return SharedForward(self.tokens.to(device), self.positions.to(device), self.layout.to(device),
+                             self.logit_index.to(device))
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        """[groups, s_f, V] logits of the shared forward -> [rows, s, V], each trajectory's."""
+        return logits.reshape(-1, logits.shape[-1])[self.logit_index]
 
 
 def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0,
@@ -121,6 +144,60 @@ def split_by_length(sorted_lengths: Sequence[int], token_budget: int,
         size = -(-(end - start) // runs)
         groups.extend(list(range(k, min(k + size, end))) for k in range(start, end, size))
     return groups
+
+
+def build_shared_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0,
+                               overhead_tokens: int = MICRO_BATCH_OVERHEAD_TOKENS["cpu"]) -> List[MicroBatch]:
+    """Micro-batches whose forward runs each group's prompt once (``learner.share_prompts``).
+    Samples with the same prompt (uid and tokens) form a group; groups are cut into micro-batches
+    by their row length (prompt + all responses) as ``split_by_length`` cuts sequences."""
+    if not trajs:
+        return []
+    by_prompt: Dict[Tuple, List[int]] = {}
+    for i, t in enumerate(trajs):
+        by_prompt.setdefault((t.prompt_uid, tuple(t.prompt_ids)), []).append(i)
+    groups = list(by_prompt.values())
+    row_len = [len(trajs[g[0]].prompt_ids) + sum(len(trajs[i].response_ids) for i in g) for g in groups]
+    order = sorted(range(len(groups)), key=lambda k: row_len[k])
+    batches = []
+    for run in split_by_length([row_len[k] for k in order], token_budget, overhead_tokens):
+        members = [groups[order[k]] for k in run]
+        idx = [i for g in members for i in g]
+        mb = _collate([trajs[i] for i in idx], idx, len(idx), max(len(trajs[i].prompt_ids) + len(trajs[i].response_ids)
+                                                                  for i in idx), pad_id)
+        mb.shared = _shared_forward(trajs, members, row_len[order[run[-1]]], mb.seq_len, pad_id)
+        batches.append(mb)
+    return batches
+
+
+def _shared_forward(trajs: Sequence[Trajectory], groups: List[List[int]], seq_len: int, rows_seq_len: int,
+                    pad_id: int) -> SharedForward:
+    tokens = torch.full((len(groups), seq_len), pad_id, dtype=torch.long)
+    positions = torch.zeros((len(groups), seq_len), dtype=torch.long)
+    logit_index = torch.zeros((sum(map(len, groups)), rows_seq_len), dtype=torch.long)
+    segments = []
+    row = 0
+    for g, members in enumerate(groups):
+        prompt = trajs[members[0]].prompt_ids
+        p, base = len(prompt), g * seq_len
+        ids, pos = list(prompt), list(range(p))
+        prompt_slots = list(range(base, base + p))
+        segments.append(([], prompt_slots))
+        for i in members:
+            response = trajs[i].response_ids
+            start = base + len(ids)
+            own = list(range(start, start + len(response)))
+            if own:
+                segments.append((prompt_slots, own))
+            # The trajectory's place t reads the logits of its prompt's slot t (t < p), then
+            # of its response's slots.
+            logit_index[row, : p + len(response)] = torch.tensor(prompt_slots + own, dtype=torch.long)
+            ids.extend(response)
+            pos.extend(range(p, p + len(response)))
+            row += 1
+        tokens[g, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)
+    return SharedForward(tokens, positions, build_segment_layout(segments, len(groups) * seq_len), logit_index)
 
 
 def _token_values(traj: Trajectory) -> Dict[str, List[float]]:

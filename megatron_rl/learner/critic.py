@@ -17,7 +17,7 @@ from ..models.gpt import model_device
 from ..models.value_model import build_value_model
 from ..types import Trajectory
 from .batch import MicroBatch
-from .learner import forward_logits
+from .learner import forward_micro_batch
 from .parallel import init_model_parallel
 from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
                             wrap_for_training)
@@ -55,7 +55,7 @@ class Critic:
 
     def _forward_step(self, data_iterator, model):
         mb: MicroBatch = next(data_iterator).to(self.device)
-        out = forward_logits(model, mb.tokens)
+        out = forward_micro_batch(model, mb)
         return out, lambda output, non_loss_data=True: output[..., 0].float() * mb.loss_mask
 
     # ---------------------------------------------------------------- training
@@ -87,7 +87,7 @@ class Critic:
 
     def _loss_step(self, data_iterator, model):
         mb: MicroBatch = next(data_iterator).to(self.device)
-        return forward_logits(model, mb.tokens), partial(self._value_loss, mb=mb)
+        return forward_micro_batch(model, mb), partial(self._value_loss, mb=mb)
 
     def _value_loss(self, output: torch.Tensor, mb: MicroBatch):
         values = output[..., 0].float()

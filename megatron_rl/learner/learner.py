@@ -16,9 +16,10 @@ import torch
 from ..algorithms import kl_penalty, ppo_clip_loss
 from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss, gspo_loss
 from ..config.schema import RootConfig
-from ..models.gpt import build_gpt_model, model_device
+from ..models.gpt import build_gpt_model, model_device, te_available
 from ..models.hf_names import megatron_to_hf
 from ..models.pretrained import load_pretrained
+from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch
 from .logprobs import token_entropy, token_logprobs
@@ -36,6 +37,17 @@ def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor
     return model(tokens, position_ids, None)
 
 
+def forward_micro_batch(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
+    """Logits [b, s, V_local] of a micro-batch's rows; with ``learner.share_prompts`` computed by
+    one row per group (models/shared_prefix.py) and gathered into the rows' layout."""
+    if mb.shared is None:
+        return forward_logits(model, mb.tokens)
+    shared = mb.shared
+    with rotary_at(model, shared.positions):
+        logits = model(shared.tokens, shared.positions, shared.layout)
+    return shared.gather(logits)
+
+
 class Learner:
     """Policy model, optional frozen reference, Megatron optimizer."""
 
@@ -46,6 +58,10 @@ class Learner:
         lc = cfg.learner
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
+        if lc.share_prompts and te_available():
+            raise ValueError("learner.share_prompts=true needs the local layer spec; this machine builds "
+                             "TransformerEngine's, whose attention takes masks, not segments: set "
+                             "learner.share_prompts=false")
         model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
         if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
             load_pretrained(model, cfg.model, cfg.model.path)
@@ -87,7 +103,7 @@ class Learner:
 
     def _forward_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
-        logits = forward_logits(model, mb.tokens)
+        logits = forward_micro_batch(model, mb)
 
         def collect(output, non_loss_data=True):
             return token_logprobs(output, mb.labels, temperature) * mb.loss_mask
@@ -127,7 +143,7 @@ class Learner:
 
     def _loss_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
-        logits = forward_logits(model, mb.tokens)
+        logits = forward_micro_batch(model, mb)
         return logits, partial(self._policy_loss, mb=mb, temperature=temperature)
 
     def _policy_loss(self, logits: torch.Tensor, mb: MicroBatch, temperature: float):

@@ -12,7 +12,8 @@ import torch
 
 from ..config.schema import LearnerConfig
 from ..types import Trajectory
-from .batch import MICRO_BATCH_OVERHEAD_TOKENS, MicroBatch, build_micro_batches, response_values
+from .batch import (MICRO_BATCH_OVERHEAD_TOKENS, MicroBatch, build_micro_batches, build_shared_micro_batches,
+                    response_values)
 from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas, uniform_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,8 @@ def micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int) -
     overhead = lc.micro_batch_overhead_tokens
     if overhead is None:
         overhead = MICRO_BATCH_OVERHEAD_TOKENS["cuda" if torch.cuda.is_available() else "cpu"]
+    if lc.share_prompts:
+        return build_shared_micro_batches(trajs, lc.micro_batch_tokens, pad_id, overhead)
     return build_micro_batches(trajs, lc.micro_batch_tokens, pad_id, equal_shape=lc.pp > 1, overhead_tokens=overhead)
 
 

@@ -10,6 +10,9 @@ on the benchmark's batches at one CPU thread (``tools/bench/learner_step.py``, 2
 0.243 s -> 0.180 s; on one H200 (Qwen2-1.5B shape, bf16, 100k tokens) 3.35 s -> 3.22 s, with
 peak memory 102 -> 84 GiB.
 
+A ``SegmentLayout`` in place of the mask (``learner.share_prompts``: a group's prompt once, its
+responses after it) runs ``shared_prefix.segment_attention`` with the same kernel.
+
 Right-padded rows stay exact under a causal mask: a real token never attends to a later slot,
 and what the padding slots compute is masked out of every loss. Anything else (an explicit mask,
 as the rollout engine passes; dropout while training; sliding windows, softmax offsets) takes
@@ -22,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from .shared_prefix import SegmentLayout, segment_attention
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -51,6 +56,11 @@ class FusedCausalAttention(DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if isinstance(attention_mask, SegmentLayout):  # one row per GRPO group (shared_prefix.py)
+            if not self._fused or attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("learner.share_prompts needs plain softmax attention (no dropout, window, "
+                                 "softmax offset or bias); set learner.share_prompts=false")
+            return segment_attention(query, key, value, attention_mask, self._scale)
         if (not self._fused or attention_mask is not None or attention_bias is not None
                 or packed_seq_params is not None or query.size(0) != key.size(0)):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,

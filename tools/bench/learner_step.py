@@ -1,6 +1,6 @@
 """Benchmark: the learner's train step two ways, A/B (--compare attention or packing).
 
-    python tools/bench/learner_step.py [--compare attention] [--recipe longtail_cpu] [--digits 60,120]
+    python tools/bench/learner_step.py [--compare attention|packing|sharing] [--recipe longtail_cpu] [--digits 60,120]
         [--threads 1,2] [--steps 8] [override ...]
 
 Builds the recipe's learner once and trains it on synthetic GRPO batches shaped like the
@@ -11,7 +11,9 @@ ways per row:
   kernel) vs the same forward given the explicit causal mask, which takes megatron-core's local
   attention;
 - ``packing``: micro-batches cut where padding costs more than another micro-batch (the default,
-  learner/batch.py's split_by_length) vs cut only where the token budget forces it.
+  learner/batch.py's split_by_length) vs cut only where the token budget forces it;
+- ``sharing``: a row of prompt + response per sample vs one row per group, its prompt trained
+  once (``learner.share_prompts``, models/shared_prefix.py).
 Prints seconds per step for both (medians of --repeats alternating runs) and the ratio, per digit
 range and thread count.
 Extra arguments are config overrides (e.g. model.hidden_size=128).
@@ -67,7 +69,7 @@ def seconds_per_step(learner, batches, temperature: float = 1.0) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compare", choices=("attention", "packing"), default="attention")
+    parser.add_argument("--compare", choices=("attention", "packing", "sharing"), default="attention")
     parser.add_argument("--recipe", default="longtail_cpu")
     parser.add_argument("--digits", default="60,120", help="largest digit count of each row's workload")
     parser.add_argument("--threads", default="1,2")
@@ -96,8 +98,13 @@ def main() -> None:
         # As few micro-batches as the token budget allows: a prohibitive cost per micro-batch.
         learner.cfg.learner.micro_batch_overhead_tokens = 10**9 if on else default_overhead
 
+    def use_rows(on: bool) -> None:
+        # A row of prompt + response per sample, or one row per group (learner.share_prompts).
+        learner.cfg.learner.share_prompts = not on
+
     names, switch = {"attention": (("megatron s", "fused s"), use_masked),
-                     "packing": (("fewest s", "split s"), use_fewest)}[args.compare]
+                     "packing": (("fewest s", "split s"), use_fewest),
+                     "sharing": (("rows s", "shared s"), use_rows)}[args.compare]
     groups, size = cfg.algo.groups_per_batch, cfg.algo.group_size
     print(f"recipe={args.recipe} groups={groups}x{size} hidden={cfg.model.hidden_size} layers={cfg.model.num_layers} "
           f"steps={args.steps} compare={args.compare} {' '.join(overrides)}")
