@@ -247,11 +247,17 @@ def test_micro_batch_overhead_defaults_by_device_and_can_be_set():
     from megatron_rl.config.schema import LearnerConfig
     from megatron_rl.learner.megatron_step import micro_batches
 
+    from megatron_rl.learner.batch import MICRO_BATCH_OVERHEAD_TOKENS
+
     trajs = _long_tailed_batch()
     lc = LearnerConfig(micro_batch_tokens=1000)
     assert lc.micro_batch_overhead_tokens is None
     by_default = micro_batches(trajs, lc, 0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    lc.micro_batch_overhead_tokens = MICRO_BATCH_OVERHEAD_TOKENS[device]
+    assert [mb.rows for mb in micro_batches(trajs, lc, 0)] == [mb.rows for mb in by_default]
+    assert len(by_default) > 1 or device == "cuda"  # on a CPU the default splits this batch
     lc.micro_batch_overhead_tokens = 10**9
-    assert len(by_default) > 1 and len(micro_batches(trajs, lc, 0)) == 1
+    assert len(micro_batches(trajs, lc, 0)) == 1
     lc.micro_batch_overhead_tokens = 0
     assert len(micro_batches(trajs, lc, 0)) == len({len(t.prompt_ids) + len(t.response_ids) for t in trajs})

@@ -29,9 +29,12 @@ def test_shared_layout_by_hand():
     assert shared.tokens.tolist() == [[7, 8, 9, 10, 11, 0], [1, 2, 3, 4, 5, 6]]
     # Each response continues at the end of its own prompt.
     assert shared.positions.tolist() == [[0, 1, 2, 3, 4, 0], [0, 1, 2, 3, 4, 3]]
-    # b/0 reads row 0's slots 0 1 | 2 3 4; a/0 reads row 1's 6 7 8 | 9 10; a/1 reads 6 7 8 | 11.
-    # Places past a sample's length read slot 0 (masked out of every loss).
-    assert shared.logit_index.tolist() == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10], [6, 7, 8, 11, 0]]
+    # The samples' own rows: the last prompt token, then the response.
+    assert mb.tokens.tolist() == [[8, 9, 10, 11], [3, 4, 5, 0], [3, 6, 0, 0]]
+    assert mb.labels[:, :3].tolist() == [[9, 10, 11], [4, 5, 0], [6, 0, 0]]
+    # They read the logits of the prompt's last slot, then of their own: b/0 row 0's slots 1 | 2 3 4,
+    # a/0 row 1's 8 | 9 10, a/1 8 | 11 (not a/0's). Places past a sample read slot 0 (masked).
+    assert shared.logit_index.tolist() == [[1, 2, 3, 4], [8, 9, 10, 0], [8, 11, 0, 0]]
     layout = shared.layout
     segments = [(q[v].tolist(), k.tolist()) for q, v, k in zip(layout.q_index, layout.q_valid, layout.k_index)]
     pad = layout.slots  # 12: the zero slot
@@ -74,6 +77,10 @@ def _cfg(share: bool, budget: int) -> RootConfig:
     return cfg
 
 
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the learner refuses shared prompts on a GPU")
+
+
+@cpu_only
 @pytest.mark.parametrize("budget", [4096, 40])  # one micro-batch; several
 def test_shared_prompts_train_exactly_as_separate_rows(megatron_world, budget):
     trajs = _groups()
@@ -96,7 +103,7 @@ def test_shared_prompts_train_exactly_as_separate_rows(megatron_world, budget):
     assert max((a - b).abs().max().item() for a, b in zip(w_a, w_b)) <= 1e-5
 
 
-def test_share_prompts_refuses_what_it_cannot_lay_out():
+def test_share_prompts_refuses_what_it_cannot_lay_out(megatron_world, monkeypatch):
     from megatron_rl.config import load_config
     from megatron_rl.config.validate import ConfigError
 
@@ -105,8 +112,15 @@ def test_share_prompts_refuses_what_it_cannot_lay_out():
     with pytest.raises(ConfigError, match=r"multi-head latent attention"):
         load_config("tiny_cpu", ["learner.share_prompts=true", "model.family=deepseek_v3", "model.kv_lora_rank=16",
                                  "model.num_experts=4"])
+    # A GPU learner: SDPA has no flash kernel for the segment mask there (measured 2-3x slower).
+    import megatron_rl.learner.learner as learner_module
+
+    monkeypatch.setattr(learner_module, "model_device", lambda: torch.device("cuda"))
+    with pytest.raises(ConfigError, match="for CPU learners for now"):
+        Learner(_cfg(True, 4096), VOCAB)
 
 
+@cpu_only
 def test_critic_values_with_shared_prompts_equal_separate_rows(megatron_world):
     from megatron_rl.learner.critic import Critic
 
@@ -120,7 +134,7 @@ def test_critic_values_with_shared_prompts_equal_separate_rows(megatron_world):
         with torch.no_grad():  # off the zero-initialised value head, the same way for both
             gen = torch.Generator().manual_seed(1)
             for p in critic.module.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen).to(p.device))
         values.append(critic.compute_values(trajs))
     assert [len(v) for v in values[1]] == [len(t.response_ids) for t in trajs]
     assert max(abs(x) for v in values[0] for x in v) > 0.01  # values that can differ

@@ -14,7 +14,7 @@ The loss is a global per-token sum, so the packing does not change what is optim
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,6 +47,7 @@ class MicroBatch:
     rows: List[int]               # index of each row in the trajectory list (-1 for filler)
     # With learner.share_prompts: what the model runs instead of ``tokens`` (one row per group);
     # its logits, gathered, are laid out as ``tokens``' would be, so the loss side is unchanged.
+    # Then each row is the sample's last prompt token and its response (response_values knows).
     shared: Optional["SharedForward"] = None
 
     def to(self, device: torch.device) -> "MicroBatch":
@@ -66,7 +67,7 @@ class SharedForward:
     tokens: torch.Tensor      # [groups, s_f] prompt, response 1, ..., response G, right padded
     positions: torch.Tensor   # [groups, s_f] each token's position in its own prompt + response
     layout: SegmentLayout     # which slots attend to which
-    logit_index: torch.Tensor  # [rows, s] flat slot whose logits sit at each place of the batch's layout
+    logit_index: torch.Tensor  # [rows, s] the flat slot whose logits each place of the rows reads
 
     def to(self, device: torch.device) -> "SharedForward":
         return SharedForward(self.tokens.to(device), self.positions.to(device), self.layout.to(device),
@@ -153,6 +154,10 @@ def build_shared_micro_batches(trajs: Sequence[Trajectory], token_budget: int, p
     by their row length (prompt + all responses) as ``split_by_length`` cuts sequences."""
     if not trajs:
         return []
+    # The samples' own rows (labels, masks, per-token fields, and the logits gathered for them)
+    # hold the last prompt token and the response: the prompt's other places would only be
+    # masked out, and a long prompt's logits over the vocabulary are most of the memory.
+    rows = [replace(t, prompt_ids=t.prompt_ids[-1:]) for t in trajs]
     by_prompt: Dict[Tuple, List[int]] = {}
     for i, t in enumerate(trajs):
         by_prompt.setdefault((t.prompt_uid, tuple(t.prompt_ids)), []).append(i)
@@ -163,8 +168,7 @@ def build_shared_micro_batches(trajs: Sequence[Trajectory], token_budget: int, p
     for run in split_by_length([row_len[k] for k in order], token_budget, overhead_tokens):
         members = [groups[order[k]] for k in run]
         idx = [i for g in members for i in g]
-        mb = _collate([trajs[i] for i in idx], idx, len(idx), max(len(trajs[i].prompt_ids) + len(trajs[i].response_ids)
-                                                                  for i in idx), pad_id)
+        mb = _collate([rows[i] for i in idx], idx, len(idx), 1 + max(len(trajs[i].response_ids) for i in idx), pad_id)
         mb.shared = _shared_forward(trajs, members, row_len[order[run[-1]]], mb.seq_len, pad_id)
         batches.append(mb)
     return batches
@@ -174,7 +178,7 @@ def _shared_forward(trajs: Sequence[Trajectory], groups: List[List[int]], seq_le
                     pad_id: int) -> SharedForward:
     tokens = torch.full((len(groups), seq_len), pad_id, dtype=torch.long)
     positions = torch.zeros((len(groups), seq_len), dtype=torch.long)
-    logit_index = torch.zeros((sum(map(len, groups)), rows_seq_len), dtype=torch.long)
+    logit_index = torch.zeros((sum(map(len, groups)), rows_seq_len), dtype=torch.long)  # padding: slot 0
     segments = []
     row = 0
     for g, members in enumerate(groups):
@@ -189,9 +193,9 @@ def _shared_forward(trajs: Sequence[Trajectory], groups: List[List[int]], seq_le
             own = list(range(start, start + len(response)))
             if own:
                 segments.append((prompt_slots, own))
-            # The trajectory's place t reads the logits of its prompt's slot t (t < p), then
-            # of its response's slots.
-            logit_index[row, : p + len(response)] = torch.tensor(prompt_slots + own, dtype=torch.long)
+            # Its row (last prompt token, response) reads the logits of the prompt's last slot,
+            # then of its response's slots.
+            logit_index[row, : 1 + len(response)] = torch.tensor(prompt_slots[-1:] + own, dtype=torch.long)
             ids.extend(response)
             pos.extend(range(p, p + len(response)))
             row += 1
@@ -257,6 +261,8 @@ def response_values(mb: MicroBatch, values: torch.Tensor, trajs: Sequence[Trajec
     for r, i in enumerate(mb.rows):
         if i < 0:
             continue
-        p, n = len(trajs[i].prompt_ids), len(trajs[i].response_ids)
+        # A shared-prompt micro-batch's rows start at the prompt's last token.
+        p = 1 if mb.shared is not None else len(trajs[i].prompt_ids)
+        n = len(trajs[i].response_ids)
         out[i] = values[r, p - 1 : p - 1 + n].tolist()
     return out
