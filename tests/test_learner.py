@@ -89,9 +89,10 @@ def _long_tailed_batch():
     return trajs
 
 
-def test_length_packing_changes_nothing_but_padding(megatron_world):
+def test_length_packing_changes_nothing_but_padding(megatron_world, monkeypatch):
     """Packing a long-tailed batch by length (several micro-batches, each padded to its own
     longest) gives the same logprobs, loss and updated weights as equal-shape packing."""
+    import megatron_rl.learner.megatron_step as megatron_step
     from megatron_rl.learner.batch import build_micro_batches
 
     trajs = _long_tailed_batch()
@@ -107,12 +108,21 @@ def test_length_packing_changes_nothing_but_padding(megatron_world):
         cfg = _cfg()
         cfg.learner.micro_batch_tokens = 64
         learner = Learner(cfg, VOCAB)
-        learner._micro_batches = lambda ts, lr=learner, eq=equal_shape: build_micro_batches(
-            ts, 64, lr.pad_id, equal_shape=eq)
+        # The learner packs by length without a pipeline; here it packs as told, and says how.
+        shapes = []
+
+        def packing(ts, budget, pad_id, equal_shape=False, overhead_tokens=0, eq=equal_shape):
+            mbs = build_micro_batches(ts, budget, pad_id, equal_shape=eq, overhead_tokens=overhead_tokens)
+            shapes.append(len({mb.tokens.shape for mb in mbs}))
+            return mbs
+
+        monkeypatch.setattr(megatron_step, "build_micro_batches", packing)
         logprobs = learner.compute_logprobs(trajs, 1.0)
-        # (Adam's first step is ~lr·sign(g), which magnifies rounding in near-zero gradients.)
-        metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=1e-3)
+        # (Adam's first step is ~lr·sign(g), which magnifies rounding in near-zero gradients:
+        # 1.9e-5 at lr 1e-3.)
+        metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=1e-4)
         weights = [p.detach().clone() for p in learner.model.parameters()]
+        assert shapes and all((n == 1) == equal_shape for n in shapes)  # the packing under test ran
         results.append((logprobs, metrics, weights))
     (lp_a, m_a, w_a), (lp_b, m_b, w_b) = results
     assert max(abs(x - y) for ra, rb in zip(lp_a, lp_b) for x, y in zip(ra, rb)) <= 1e-6
