@@ -1,6 +1,6 @@
 """Turn trajectories into micro-batches for the Megatron forward.
 
-Two packings within a token budget (rows × padded length):
+Three packings within a token budget (rows × padded length):
 - equal shape: every micro-batch is [rows, longest sequence of the batch], so pipeline-parallel
   schedules can use one tensor shape; filler rows carry a zero loss mask.
 - by length (no pipeline): sequences are sorted by length and cut into runs of similar lengths,
@@ -9,6 +9,10 @@ Two packings within a token budget (rows × padded length):
   micro-batch (``split_by_length``): on a long-tailed batch of 256 samples (3.1k tokens) that is
   5 micro-batches and 3.6k padded tokens instead of 2 and 5.6k when cutting only at the token
   budget, an 18 % shorter learner step on a CPU. A batch left in one piece keeps its order.
+- one row per GRPO group (``learner.share_prompts``, ``build_shared_micro_batches``): the model
+  runs the prompt once and every response after it (models/shared_prefix.py); each sample's own
+  row, which the loss reads, is its last prompt token and its response, with the logits gathered
+  into it from the group's row.
 The loss is a global per-token sum, so the packing does not change what is optimised.
 """
 
