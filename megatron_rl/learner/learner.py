@@ -59,7 +59,7 @@ class Learner:
         lc = cfg.learner
         init_model_parallel(lc.tp, lc.pp, lc.ep, lc.cp, seed=cfg.trainer.seed)
         self.device = model_device()
-        if lc.share_prompts and model_device().type == "cuda":
+        if lc.share_prompts and self.device.type == "cuda":
             # TransformerEngine's attention takes masks, not segments; without it, SDPA with a
             # segment mask has no flash kernel on CUDA: one H200, Qwen2-1.5B shape, 256 samples,
             # 2.7-3.4 s per step on plain rows vs 8.4-10.2 s shared (prompts of 60-128 tokens),

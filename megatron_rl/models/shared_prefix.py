@@ -97,16 +97,12 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return flat.view(b, s, -1).transpose(0, 1)
 
 
-def _bare(model: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(model, "module"):  # DDP, Float16Module
-        model = model.module
-    return model
-
-
 @contextmanager
 def rotary_at(model: torch.nn.Module, positions: torch.Tensor) -> Iterator[None]:
     """During the block, the model's RoPE is taken at ``positions`` [b, s] instead of 0..s-1."""
-    rope = getattr(_bare(model), "rotary_pos_emb", None)
+    from megatron.core.utils import unwrap_model  # DDP, Float16Module; imported here to keep config checks light
+
+    rope = getattr(unwrap_model(model), "rotary_pos_emb", None)
     if rope is None:
         yield
         return
