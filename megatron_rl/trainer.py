@@ -44,7 +44,7 @@ from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.workflow import generate_groups, single_turn_group
 from .rollout.engine import EngineError
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
-from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket
+from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
 from .stop import StopRequested, StopWatch
 from .telemetry.metrics import MetricsWriter, Timeline
@@ -160,7 +160,7 @@ class Trainer:
         sc = cfg.scheduler
         self.ledger = PromptLedger(self.prompts, StalenessManager(
             sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts),
-            max_ahead_groups=sc.max_ahead_batches * cfg.algo.groups_per_batch,
+            max_ahead_groups=max_ahead_groups(sc.max_ahead_batches, cfg.algo.groups_per_batch),
             filter_equal_rewards=cfg.algo.filter_groups)
         self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
                                           train_executor=self.learner_executor,

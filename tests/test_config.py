@@ -38,6 +38,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),
         ("data.length_tail=-1", "data.length_tail=-1.0 must be >= 0"),
         ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
+        ("scheduler.max_ahead_batches=0.5", "scheduler.max_ahead_batches=0.5 is less than one batch"),
         ("algo.kl_in_reward=true", "algo.kl_in_reward=true needs algo.kl_coef > 0"),
         ("algo.filter_groups=true scheduler.mode=sync scheduler.max_staleness=0", "needs scheduler.mode=async"),
         ("algo.lam=1.5", "algo.lam=1.5 must be in [0, 1]"),

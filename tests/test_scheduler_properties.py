@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given, settings, strategies as st
 
 from megatron_rl.data.datasets import Prompt
-from megatron_rl.scheduler.ledger import PromptLedger
+from megatron_rl.scheduler.ledger import PromptLedger, max_ahead_groups
 from megatron_rl.scheduler.staleness import StalenessManager
 from megatron_rl.types import Trajectory
 
@@ -29,7 +29,7 @@ def _group(ticket, token_version, equal_rewards=False):
 def workloads(draw):
     return dict(
         eta=draw(st.integers(0, 4)),
-        ahead=draw(st.sampled_from([0, 1, 2, 3])),  # scheduler.max_ahead_batches
+        ahead=draw(st.sampled_from([0, 1, 1.25, 1.5, 2, 3])),  # scheduler.max_ahead_batches
         filter=draw(st.booleans()),  # algo.filter_groups
         equal_every=draw(st.sampled_from([2, 3, 7])),  # every k-th group has all-equal rewards
         batch=draw(st.integers(1, 4)),
@@ -49,7 +49,8 @@ def workloads(draw):
 def simulate(w):
     """A discrete-event run of the controller policy; returns what was trained and the ledger."""
     manager = StalenessManager(w["eta"], w["batch"], w["concurrent"])
-    ledger = PromptLedger(_prompts(), manager, max_ahead_groups=w["ahead"] * w["batch"],
+    ahead_groups = max_ahead_groups(w["ahead"], w["batch"])
+    ledger = PromptLedger(_prompts(), manager, max_ahead_groups=ahead_groups,
                           filter_equal_rewards=w["filter"])
     clock, version, events, seq = 0, 0, [], itertools.count()
     training = False
@@ -77,7 +78,7 @@ def simulate(w):
         assert ledger.balanced()
         assert manager.running == ledger.in_flight >= 0
         if w["ahead"]:  # scheduler.max_ahead_batches bounds the work ahead of the learner
-            assert ledger.in_flight + len(ledger.buffer) <= w["ahead"] * w["batch"]
+            assert ledger.in_flight + len(ledger.buffer) <= ahead_groups
         if not events:
             raise AssertionError(f"deadlock at version {version}: {ledger.counts}")
         clock, _, kind, ticket, token_version = heapq.heappop(events)

@@ -153,8 +153,10 @@ class SchedulerConfig:
     max_concurrent_rollouts: int = 1024
     # Groups running or waiting to be trained, in batches (algo.groups_per_batch each): 2 lets the
     # engine fill one batch while the learner's next is finishing (a long response does not stall
-    # it) without racing η versions ahead when the learner is the slower side. 0: no limit but η.
-    max_ahead_batches: int = 2
+    # it) without racing η versions ahead when the learner is the slower side. A fraction keeps
+    # that part of a batch more in flight (1.5: half a batch), so the learner takes a batch when
+    # B groups are done instead of waiting for the slowest. 0: no limit but η; else >= 1.
+    max_ahead_batches: float = 2
 
 
 @dataclass

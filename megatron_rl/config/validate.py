@@ -121,6 +121,10 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
          "scheduler.max_ahead_batches", "learner.micro_batch_overhead_tokens", "reward.overlong_buffer", "critic.value_clip"],
         strict=False,
     )
+    ahead = cfg.scheduler.max_ahead_batches
+    if 0 < ahead < 1:
+        raise ConfigError(f"scheduler.max_ahead_batches={ahead} is less than one batch, so no batch could "
+                          "ever fill; use 0 (no limit but η) or a value >= 1 (e.g. 1.5)")
     m = cfg.model
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
         raise ConfigError(

@@ -39,6 +39,18 @@ class FinishedGroup:
         return min(versions) if versions else self.ticket.version
 
 
+def max_ahead_groups(max_ahead_batches: float, groups_per_batch: int) -> int:
+    """``scheduler.max_ahead_batches`` in groups (0: no limit). A fraction above one batch keeps
+    that many more groups running while the learner trains, so the batch after it does not wait
+    for its slowest group (1.5 with 16 groups per batch: 24 groups running or waiting). Below one
+    batch no batch could ever fill: the config check refuses it."""
+    if max_ahead_batches <= 0:
+        return 0
+    if max_ahead_batches < 1:
+        raise ValueError(f"max_ahead_batches={max_ahead_batches} is below one batch: no batch would ever fill")
+    return round(max_ahead_batches * groups_per_batch)
+
+
 @dataclass
 class PromptLedger:
     source: Iterator[Prompt]
