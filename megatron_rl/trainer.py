@@ -110,12 +110,14 @@ def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: T
 
 def lr_at(cfg: RootConfig, step: int) -> float:
     """Learning rate of ``step`` (1-based): linear warm-up over ``learner.lr_warmup_steps``, then
-    ``learner.lr_decay_style`` from ``lr`` to ``min_lr`` at ``trainer.total_steps``."""
+    ``learner.lr_decay_style`` from ``lr`` to ``min_lr`` at ``learner.lr_decay_steps`` (default
+    ``trainer.total_steps``)."""
     lc = cfg.learner
     warmup = lc.lr_warmup_steps
     if warmup and step < warmup:
         return lc.lr * (step + 1) / warmup
-    span = max(cfg.trainer.total_steps - warmup, 1)
+    end = lc.lr_decay_steps or cfg.trainer.total_steps
+    span = max(end - warmup, 1)
     progress = min(max(step - warmup, 0) / span, 1.0)
     if lc.lr_decay_style == "linear":
         return lc.min_lr + (lc.lr - lc.min_lr) * (1.0 - progress)

@@ -36,6 +36,7 @@ def test_tiny_cpu_loads_and_overrides():
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
         ("learner.min_lr=0.5", "learner.min_lr=0.5 must be <= learner.lr"),
         ("learner.lr_decay_style=step", "learner.lr_decay_style='step' is not allowed"),
+        ("learner.lr_decay_steps=0", "learner.lr_decay_steps=0 must be > 0"),
         ("data.length_tail=-1", "data.length_tail=-1.0 must be >= 0"),
         ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
         ("scheduler.max_ahead_batches=0.5", "scheduler.max_ahead_batches=0.5 is less than one batch"),

@@ -31,3 +31,13 @@ def test_decay_styles_by_hand():
     assert lr_at(_cfg("cosine"), 29) == pytest.approx(1e-4 + 9e-4 * 0.5 * (1 + math.cos(math.pi * 0.25)))
     assert lr_at(_cfg("cosine"), 104) == pytest.approx(1e-4)
     assert lr_at(_cfg("cosine"), 500) == pytest.approx(1e-4)  # past the end: stays at min_lr
+
+
+def test_decay_steps_end_the_decay_before_total_steps():
+    # A 130-step run on a 104-step schedule: the first 104 learning rates are the shorter run's.
+    short, long = _cfg("cosine"), _cfg("cosine")
+    long.trainer.total_steps, long.learner.lr_decay_steps = 130, 104
+    assert [lr_at(long, s) for s in range(1, 105)] == [lr_at(short, s) for s in range(1, 105)]
+    assert lr_at(long, 120) == pytest.approx(1e-4)
+    long.learner.lr_decay_steps = None  # default: the decay spans the whole run
+    assert lr_at(long, 104) > 1e-4 + 1e-6

@@ -90,6 +90,10 @@ class LearnerConfig:
     # After warm-up: constant | linear | cosine, from lr down to min_lr at trainer.total_steps.
     lr_decay_style: str = "constant"
     min_lr: float = 0.0
+    # The step where the decay reaches min_lr, if not trainer.total_steps (Megatron's
+    # --lr-decay-iters): a run continued past it, or a longer run that must follow a shorter
+    # one's schedule step for step, stays at min_lr from there.
+    lr_decay_steps: Optional[int] = None
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999

@@ -110,7 +110,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             "rollout.engines", "rollout.tp", "rollout.temperature", "rollout.max_new_tokens",
             "rollout.max_batch_size", "algo.group_size", "algo.groups_per_batch",
             "trainer.total_steps", "reward.timeout_s", "reward.workers",
-            "data.min_digits", "data.max_prompt_tokens",
+            "data.min_digits", "data.max_prompt_tokens", "learner.lr_decay_steps",
         ],
     )
     _positive(
