@@ -34,6 +34,24 @@ def test_async_vs_sync_bench_prints_its_table():
     rows = [line.split()[0] for line in out.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
     assert rows == ["0", "1", "0", "1"]
     assert "speed-up" in out.stdout and "(runs: " in out.stdout and "overlap ceiling" in out.stdout
+    assert "speed-up at equal reward" in out.stdout
+
+
+def test_time_to_reward_by_hand():
+    """The benchmark's equal-reward clock: seconds of steps until the mean of 20 consecutive
+    rewards first reaches the target (rows 0..19 average 0.1, rows 1..20 average 0.15)."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    try:
+        from async_vs_sync import time_to_reward
+    finally:
+        sys.path.pop(0)
+    rows = [{"reward/mean": 0.1, "time/step_s": 0.5} for _ in range(20)]
+    rows += [{"reward/mean": 1.1, "time/step_s": 2.0}, {"reward/mean": 5.0, "time/step_s": 1.0}]
+    assert time_to_reward(rows, 0.1) == 10.0       # the first 20 steps: 20 × 0.5 s
+    assert time_to_reward(rows, 0.15) == 12.0      # one step more
+    assert time_to_reward(rows, 0.16) == 13.0      # rows 2..21
+    assert time_to_reward(rows, 1.0) == float("inf")
+    assert time_to_reward(rows[:3], 0.1) == 1.5    # a run shorter than the window: all of it
 
 
 def test_placement_bench_runs_the_colocated_layout_on_a_cpu(tmp_path):

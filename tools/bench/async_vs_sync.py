@@ -37,18 +37,20 @@ from training_runs import train
 WINDOW = 20  # steps in the "final reward" mean
 
 
-def rolling_reward(rows: list) -> np.ndarray:
-    """Mean reward of the WINDOW steps ending at each step (from step WINDOW on)."""
+def rolling_reward(rows: list, window: int) -> np.ndarray:
+    """Mean reward of the ``window`` steps ending at each step, from step ``window`` on."""
     rewards = np.array([r["reward/mean"] for r in rows])
-    return np.convolve(rewards, np.ones(WINDOW) / WINDOW, mode="valid")
+    return np.convolve(rewards, np.ones(window) / window, mode="valid")
 
 
 def time_to_reward(rows: list, target: float) -> float:
-    """Seconds of steps until the WINDOW-step mean reward first reaches ``target`` (inf if never)."""
-    reached = np.flatnonzero(rolling_reward(rows) >= target)
+    """Seconds of steps until the mean reward of WINDOW consecutive steps (all of them in a
+    shorter run) first reaches ``target``; inf if it never does."""
+    window = min(WINDOW, len(rows))
+    reached = np.flatnonzero(rolling_reward(rows, window) >= target - 1e-12)
     if not reached.size:
         return float("inf")
-    return float(sum(r["time/step_s"] for r in rows[: reached[0] + WINDOW]))
+    return float(sum(r["time/step_s"] for r in rows[: reached[0] + window]))
 
 
 def run(recipe: str, steps: int, eta: int, overrides, root: Path, repeat: int = 0, extra: int = 0) -> dict:
