@@ -139,3 +139,27 @@ def test_critic_values_with_shared_prompts_equal_separate_rows(megatron_world):
     assert [len(v) for v in values[1]] == [len(t.response_ids) for t in trajs]
     assert max(abs(x) for v in values[0] for x in v) > 0.01  # values that can differ
     assert max(abs(x - y) for ra, rb in zip(*values) for x, y in zip(ra, rb)) <= 2e-6
+
+
+def test_take_rows_backward_repeats_bit_for_bit_on_two_threads():
+    """A group's prompt keys and last-prompt-token logits are read by every response, so their
+    gradients add repeated rows. take_rows must give advanced indexing's values and add those
+    rows in one order every time: with `t[index]` two runs of one seed at 2 threads drifted
+    ~1e-8 apart per step (and this test saw different gradients within 30 tries)."""
+    from megatron_rl.models.shared_prefix import take_rows
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        source = torch.randn(16 * 130, 4, 16, generator=torch.Generator().manual_seed(0))
+        index = torch.randint(0, 16 * 130, (300, 70), generator=torch.Generator().manual_seed(1))
+        upstream = torch.randn(300, 70, 4, 16, generator=torch.Generator().manual_seed(2))
+        assert torch.equal(take_rows(source, index), source[index])
+        grads = []
+        for _ in range(30):
+            x = source.clone().requires_grad_(True)
+            take_rows(x, index).backward(upstream)
+            grads.append(x.grad)
+        assert all(torch.equal(grads[0], g) for g in grads[1:])
+    finally:
+        torch.set_num_threads(threads)

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..models.shared_prefix import SegmentLayout, build_segment_layout
+from ..models.shared_prefix import SegmentLayout, build_segment_layout, take_rows
 from ..types import Trajectory
 
 # What one more micro-batch costs, in padded tokens (its fixed Python and kernel-launch work),
@@ -79,7 +79,7 @@ class SharedForward:
 
     def gather(self, logits: torch.Tensor) -> torch.Tensor:
         """[groups, s_f, V] logits of the shared forward -> [rows, s, V], each trajectory's."""
-        return logits.reshape(-1, logits.shape[-1])[self.logit_index]
+        return take_rows(logits.reshape(-1, logits.shape[-1]), self.logit_index)
 
 
 def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: int = 0,

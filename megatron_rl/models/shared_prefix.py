@@ -78,6 +78,14 @@ def build_segment_layout(segments: Sequence[Tuple[List[int], List[int]]], slots:
     return SegmentLayout(q_index, k_index, allowed[:, None], q_valid, q_index[q_valid], slots)
 
 
+def take_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` for an integer ``index`` of any shape, through index_select: the same
+    values, but its backward adds repeated rows (a prompt's keys, read by every response of the
+    group) in a fixed order. Advanced indexing's backward on a multi-threaded CPU adds them in
+    whatever order the threads reach them, so two runs of one seed drifted apart at ~1e-8."""
+    return source.index_select(0, index.reshape(-1)).view(*index.shape, *source.shape[1:])
+
+
 def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: SegmentLayout,
                       scale: float) -> torch.Tensor:
     """Core attention of a segment layout: [s, b, heads, dim] inputs -> [s, b, heads · dim]."""
@@ -87,9 +95,9 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         flat = t.transpose(0, 1).reshape(b * s, t.shape[2], t.shape[3])
         return torch.cat([flat, flat.new_zeros(1, t.shape[2], t.shape[3])])
 
-    q = by_slot(query)[layout.q_index].transpose(1, 2)  # [segments, heads, Lq, dim]
-    k = by_slot(key)[layout.k_index].transpose(1, 2)
-    v = by_slot(value)[layout.k_index].transpose(1, 2)
+    q = take_rows(by_slot(query), layout.q_index).transpose(1, 2)  # [segments, heads, Lq, dim]
+    k = take_rows(by_slot(key), layout.k_index).transpose(1, 2)
+    v = take_rows(by_slot(value), layout.k_index).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.allowed, scale=scale,
                                          enable_gqa=q.size(1) != k.size(1))
     real = out.transpose(1, 2)[layout.q_valid]  # [real queries, heads, dim]
