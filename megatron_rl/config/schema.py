@@ -138,6 +138,10 @@ class RolloutConfig:
     # entries (vLLM-style: cheaper; the recorded behaviour logprobs are still the ones sampled
     # from, which is what the decoupled loss corrects for).
     recompute_kv_on_update: bool = False
+    # Each request draws from its own random stream, seeded by trainer.seed and its request id, so
+    # its tokens do not depend on which engine or batch serves it (two engines reproduce a
+    # one-engine run). Costs one hash per vocab entry per row per decode step.
+    seed_by_request: bool = False
     # Run the embedded engine in a child process: its own Python interpreter, so on a CPU its
     # decode loop and the learner's step do not take turns on one interpreter lock.
     separate_process: bool = False

@@ -12,7 +12,9 @@ where the one-step loop would have done something else (compact finished rows, a
 pause, abort), so it samples the same tokens. After new weights the running
 requests are re-prefilled (``recompute_kv_on_update``, so every later token comes from the new
 policy alone) or keep their cache entries (cheaper; the logprobs recorded are still exactly those
-of the distribution sampled from).
+of the distribution sampled from). A request with ``SamplingParams.seed`` set draws from its own
+random stream, keyed by (seed, request id) and positioned by its token count, so its tokens do not
+depend on the batch or the engine that serves it, and a re-prefill continues the stream.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
+from ..sampling import Stream, request_key
 from .generator import KVCachedGenerator
 
 logger = logging.getLogger(__name__)
@@ -79,6 +82,17 @@ class _Request:
     finish: Optional[str] = None
     emitted: int = 0
     closed: bool = False  # the final chunk was sent
+    # Key of the request's random stream (None: unseeded, the engine's generator draws its tokens).
+    key: Optional[int] = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if self.params.seed is not None:
+            self.key = request_key(self.params.seed, self.request_id)
+
+    @property
+    def stream(self) -> Optional[Stream]:
+        """Where the request's next draw lies in its stream: the tokens it has so far."""
+        return None if self.key is None else (self.key, len(self.tokens))
 
     @property
     def sampler(self) -> Tuple[float, float, int]:
@@ -391,7 +405,8 @@ class EmbeddedEngine(RolloutEngine):
     async def _rebuild(self, running: List[_Request], joining: List[_Request]) -> None:
         rows = running + joining
         self._take(joining)
-        sampled = await self._compute("prefill", self._gen.prefill, [r.prompt_ids + r.tokens for r in rows], rows[0].params)
+        sampled = await self._compute("prefill", self._gen.prefill, [r.prompt_ids + r.tokens for r in rows],
+                                      rows[0].params, _streams(rows))
         if sampled is None:  # paused first
             self._untake(joining)
             return
@@ -403,7 +418,7 @@ class EmbeddedEngine(RolloutEngine):
         keep = [row for row, req in enumerate(self._batch) if req.finish is None]
         self._take(joining)
         sampled = await self._compute("admit", self._gen.admit, keep, [r.prompt_ids + r.tokens for r in joining],
-                                      running[0].params)
+                                      running[0].params, _streams(joining))
         if sampled is None:
             self._untake(joining)
             return
@@ -501,6 +516,12 @@ class EmbeddedEngine(RolloutEngine):
             else:
                 req.queue.put_nowait(error)
         self._running.pop(req.request_id, None)
+
+
+def _streams(rows: List[_Request]) -> Optional[List[Optional[Stream]]]:
+    """The rows' random streams for the generator; None when no row has one."""
+    streams = [req.stream for req in rows]
+    return streams if any(s is not None for s in streams) else None
 
 
 def _request_failed(req: _Request, error: BaseException) -> EngineError:

@@ -20,6 +20,10 @@ Continuous batching on top of one shared offset P, two ways:
 Rows aligned at their ends need ``longest sequence + largest remaining budget`` slots, so the cache
 is twice the model's context by default. Both prefill equal sequences once (a GRPO group's
 samples share their prompt) and copy the cache entries to the other rows.
+
+Rows may carry random streams (``sampling.RowStreams``: a request key and the position of the
+row's next draw, given by the caller per sequence): those rows' draws depend on their stream and
+logits only. The streams move with the rows wherever the rows move (compaction, admission order).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from ...models.causal_attention import causal_mask
 from ...types import SamplingParams
-from ..sampling import sample_tokens
+from ..sampling import RowStreams, Stream, join_streams, sample_tokens
 
 Sampled = Tuple[List[int], List[float]]
 
@@ -76,6 +80,7 @@ class KVCachedGenerator:
         self.rows = 0
         self._key_padding: Optional[torch.Tensor] = None  # [max_batch, cache_len] True where masked
         self._last: Optional[torch.Tensor] = None  # [rows] last sampled tokens
+        self._streams: Optional[RowStreams] = None  # the rows' random streams; None: no row has one
         self.slides = 0  # times the window moved left (_slide_window)
         # Megatron's multi-latent attention rotates keys before caching them, in a layout of its
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
@@ -118,8 +123,10 @@ class KVCachedGenerator:
         return logits[:, -1, :]
 
     @torch.no_grad()
-    def prefill(self, sequences: List[List[int]], params: SamplingParams) -> Sampled:
-        """Start a new batch from these (left-padded) sequences; sample each row's next token."""
+    def prefill(self, sequences: List[List[int]], params: SamplingParams,
+                streams: Optional[Sequence[Optional[Stream]]] = None) -> Sampled:
+        """Start a new batch from these (left-padded) sequences; sample each row's next token.
+        ``streams``: per sequence, (request key, position of its next token) or None."""
         width = max(len(s) for s in sequences)
         if len(sequences) > self.max_batch_size:
             raise ValueError(f"batch of {len(sequences)} exceeds rollout.max_batch_size={self.max_batch_size}")
@@ -133,12 +140,15 @@ class KVCachedGenerator:
         logits = self._logits(tokens, 0, mask)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
+        self._streams = RowStreams.build(streams, len(sequences), self.device)
         return self._sample(self._copy_duplicates(0, logits, source), params)
 
     @torch.no_grad()
-    def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams) -> Sampled:
+    def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams,
+              streams: Optional[Sequence[Optional[Stream]]] = None) -> Sampled:
         """Keep rows ``keep`` (moved to the front, in that order), add ``sequences`` after them at the
         current offset, and sample the newcomers' next tokens (only theirs are returned, in order).
+        ``streams``: the newcomers' random streams, as for ``prefill``.
 
         Newcomers are prefilled in groups of similar length (one forward each), so a few long
         prompts do not pad every newcomer to their length."""
@@ -152,6 +162,7 @@ class KVCachedGenerator:
             self._last = self._last[idx]
         self.rows = n + m
         self._last = self._last[:n]
+        self._streams = self._streams.select(keep) if self._streams is not None else None
         if not m:
             return [], []
         if max(len(seq) for seq in sequences) > offset:
@@ -159,10 +170,12 @@ class KVCachedGenerator:
         order = sorted(range(m), key=lambda i: len(sequences[i]))
         new = torch.empty(m, dtype=torch.long, device=self.device)
         logprobs = torch.empty(m, dtype=torch.float, device=self.device)
+        incoming = RowStreams.build(streams, m, self.device)
         row = n
         for group in length_groups([len(sequences[i]) for i in order]):
             members = [order[i] for i in group]
-            sampled, lps = self._prefill_rows(row, [sequences[i] for i in members], params)
+            group_streams = incoming.select(members) if incoming is not None else None
+            sampled, lps = self._prefill_rows(row, [sequences[i] for i in members], params, group_streams)
             new[members], logprobs[members] = sampled, lps
             row += len(members)
         # The groups filled the rows in length order; put them in the caller's order.
@@ -171,6 +184,7 @@ class KVCachedGenerator:
             rank[torch.tensor(order)] = torch.arange(m)
             self._move_rows(n, rank.to(self.device) + n)
         self._last = torch.cat([self._last, new])
+        self._streams = join_streams(self._streams, n, incoming.advanced() if incoming is not None else None, m)
         return new.tolist(), logprobs.tolist()
 
     def _move_rows(self, first: int, source: torch.Tensor) -> None:
@@ -178,8 +192,10 @@ class KVCachedGenerator:
         self.context.copy_rows(first, source, self.offset)
         self._key_padding[first : first + len(source)] = self._key_padding[source]
 
-    def _prefill_rows(self, first_row: int, sequences: List[List[int]], params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Prefill ``sequences`` into rows ``first_row``.. so that they end at the current offset."""
+    def _prefill_rows(self, first_row: int, sequences: List[List[int]], params: SamplingParams,
+                      streams: Optional[RowStreams]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Prefill ``sequences`` into rows ``first_row``.. so that they end at the current offset;
+        sample their next tokens (``streams``: theirs, in that order)."""
         offset = self.offset
         width = max(len(seq) for seq in sequences)
         start = offset - width
@@ -197,7 +213,7 @@ class KVCachedGenerator:
         finally:
             self.context.sequence_len_offset, self.context.batch_size_offset = offset, 0
         logits = self._copy_duplicates(first_row, logits, source)
-        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
+        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator, streams)
 
     def _copy_duplicates(self, first_row: int, logits: torch.Tensor, source: List[int]) -> torch.Tensor:
         """The distinct sequences were prefilled into rows first_row..; give every sequence its row
@@ -253,6 +269,10 @@ class KVCachedGenerator:
         return None if rotary is None else -rotary(1, offset=shift)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
-        new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator)
+        """Every row's next token, each keyed row from its stream (which then moves on a position)."""
+        new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator,
+                                      self._streams)
         self._last = new
+        if self._streams is not None:
+            self._streams = self._streams.advanced()
         return new.tolist(), logprobs.tolist()

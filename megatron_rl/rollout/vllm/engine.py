@@ -29,10 +29,18 @@ from ...config.schema import ModelConfig
 from ...types import GenerationChunk, SamplingParams
 from ..embedded.engine import EngineStats
 from ..engine import EngineError, RolloutEngine
+from ..sampling import request_key
 from . import adapter
 from .model_dir import write_model_dir
 
 logger = logging.getLogger(__name__)
+
+
+def vllm_seed(seed: Optional[int], request_id: str) -> Optional[int]:
+    """vLLM seeds a request's own generator with ``SamplingParams.seed``: one seed for all would
+    give every member of a GRPO group (one prompt) the same sample. Derived per request, as the
+    embedded engine keys its streams; non-negative and below 2**63 for torch's ``manual_seed``."""
+    return None if seed is None else request_key(seed, request_id) & (2 ** 63 - 1)
 
 
 def _scratch_dir() -> str:
@@ -109,7 +117,7 @@ class VLLMEngine(RolloutEngine):
         try:
             stream = self._vllm.generate(request_id, list(prompt_ids), params.temperature, params.top_p,
                                          params.top_k, params.max_new_tokens, params.stop_token_ids,
-                                         params.seed, params.stream)
+                                         vllm_seed(params.seed, request_id), params.stream)
             while True:
                 out = await self._next(stream)
                 if out is None:
