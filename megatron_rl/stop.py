@@ -12,8 +12,6 @@ import logging
 import signal
 from pathlib import Path
 
-import torch.distributed as dist
-
 logger = logging.getLogger(__name__)
 
 STOP_FILE = ".stop_requested"
@@ -28,29 +26,37 @@ class StopRequested(Exception):
         self.step = step
 
 
+_signalled = False
+
+
+def _on_signal(signum, frame) -> None:
+    global _signalled
+    logger.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
+    _signalled = True
+
+
+def install_stop_handlers() -> None:
+    """SIGUSR1 and SIGTERM ask for a stop (from the main thread; elsewhere only the file does)."""
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        try:
+            signal.signal(sig, _on_signal)
+        except ValueError:  # not the main thread (e.g. a test driving the trainer): file only
+            pass
+
+
+def local_stop_requested() -> bool:
+    """Whether this process received a stop signal."""
+    return _signalled
+
+
 class StopWatch:
-    """Whether a stop was requested; every rank of a torchrun world gets the same answer (one
-    all-reduce), so all of them stop after the same step."""
+    """Whether a stop was requested of this process: a signal, or the stop file. (In a torchrun
+    world the driver asks every learner rank too, ``LearnerWorker.any_rank_asked``, so all of
+    them stop after the same step.)"""
 
     def __init__(self, run_dir: Path):
         self.file = run_dir / STOP_FILE
-        self._signalled = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            try:
-                signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread (e.g. a test driving the trainer): file only
-                pass
-
-    def _on_signal(self, signum, frame) -> None:
-        logger.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
-        self._signalled = True
+        install_stop_handlers()
 
     def requested(self) -> bool:
-        asked = self._signalled or self.file.exists()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            import torch
-
-            flag = torch.tensor([1.0 if asked else 0.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            asked = bool(flag.item())
-        return asked
+        return local_stop_requested() or self.file.exists()

@@ -17,24 +17,21 @@ import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
-from .algorithms.advantages import assign_group_advantages
-from .algorithms.kl import kl_shaped_reward
-from .checkpoint import load_checkpoint, save_checkpoint
-from .checkpoint.resume import CountingIterator, capture_rng, load_newest_good, restore_rng
+from .checkpoint.resume import CountingIterator, capture_rng, restore_rng
 from .config.schema import RootConfig
 from .config.validate import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
-from .learner.critic import Critic, assign_gae_advantages
-from .learner.learner import Learner
-from .models.convert import export_hf_checkpoint
+from .learner.group import LearnerGroup
+from .learner.worker import LearnerWorker
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner, score_groups
@@ -42,7 +39,7 @@ from .rollout.device import resolve_engine_device
 from .rollout.embedded import EmbeddedEngine, EngineProcess
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.workflow import generate_groups, single_turn_group
-from .rollout.engine import EngineError
+from .rollout.engine import EngineError, RolloutEngine
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
@@ -51,6 +48,7 @@ from .telemetry.metrics import MetricsWriter, Timeline
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
 from .types import SamplingParams, Trajectory
+from .weights.transport import BroadcastTransport, ColocatedTransport, InProcessTransport
 
 logger = logging.getLogger(__name__)
 
@@ -126,39 +124,69 @@ def lr_at(cfg: RootConfig, step: int) -> float:
     return lc.lr
 
 
+@dataclass
+class WorldPlacement:
+    """What a torchrun world hands its driver (rank 0): the learner ranks and the engines as they
+    were placed (``launch/run.py``). One process builds its own instead."""
+    worker: LearnerWorker
+    learners: LearnerGroup
+    engine: RolloutEngine                   # the engines, one pool
+    data: Tuple[Any, Any]                   # (tokenizer, prompt stream), built before the learner
+    colocated: bool = False
+    remote_engines: List[Any] = field(default_factory=list)  # disaggregated: the engines to sync
+    table: str = ""                         # the placement plan, for the log
+    ranks: List[Dict[str, Any]] = field(default_factory=list)  # role, host, pid of every rank
+
+
 class Trainer:
-    def __init__(self, cfg: RootConfig):
+    """The driver of a run, the same in every placement: data, engines, rewards, the
+    staleness-bounded controller, metrics, checkpoints. Learner work goes through
+    ``self.learners`` (every learner rank runs it) on the learner thread; weights reach the
+    engines through ``self.transport``."""
+
+    def __init__(self, cfg: RootConfig, world: Optional[WorldPlacement] = None):
         self.cfg = cfg
-        device_index = engine_gpu(cfg)
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
         # The learner computes on this thread, bound to this process's device (CUDA's is per thread).
         self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner", initializer=bind_thread_to_device,
                                                    initargs=(model_device(),))
         overlap = cfg.scheduler.mode == "async" and cfg.scheduler.max_staleness > 0
-        learner_threads, engine_threads = compute_threads(cfg, overlap)
-        if learner_threads:
-            torch.set_num_threads(learner_threads)
-        seed_everything(cfg.trainer.seed)
-        self.tokenizer, prompts = build_data(cfg)
+        if world is None:
+            device_index = engine_gpu(cfg)
+            learner_threads, engine_threads = compute_threads(cfg, overlap)
+            if learner_threads:
+                torch.set_num_threads(learner_threads)
+            seed_everything(cfg.trainer.seed)
+            self.tokenizer, prompts = build_data(cfg)
+            vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
+            self.worker = LearnerWorker(cfg, vocab, self.tokenizer.pad_id)
+            self.learners = LearnerGroup(self.worker)
+            self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
+            self.transport = InProcessTransport(self.engine, self.worker)
+        else:
+            self.tokenizer, prompts = world.data
+            self.worker, self.learners, self.engine = world.worker, world.learners, world.engine
+            self.transport = (ColocatedTransport(self.run_on_learners) if world.colocated
+                              else BroadcastTransport(world.remote_engines, self.run_on_learners))
+            logger.info("torchrun world:\n%s", world.table)
+            (self.run_dir / "world.json").write_text(json.dumps({"plan": world.table, "ranks": world.ranks}, indent=1))
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
-        self.learner = Learner(cfg, vocab, pad_id=self.tokenizer.pad_id)
-        # PPO with GAE: a value model with the policy's layout, starting from its weights.
-        self.critic = (Critic(cfg, vocab, self.tokenizer.pad_id, self.learner.module)
-                       if cfg.algo.name == "gae" else None)
-        self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
         self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
                                     name=f"reward {cfg.reward.name}")
         r = cfg.rollout
+        # With rollout.seed_by_request each request samples from its own random stream (seeded
+        # by the run's seed and its id), so its tokens do not depend on the engine serving it.
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
-                                     stop_token_ids=(self.tokenizer.eos_id,), stream=False)
+                                     stop_token_ids=(self.tokenizer.eos_id,), stream=False,
+                                     seed=cfg.trainer.seed if r.seed_by_request else None)
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
         self.version = 0
         self._engine_prev = copy.copy(self.engine.stats)
+        self._sync_metrics: Dict[str, float] = {}
         sc = cfg.scheduler
         self.ledger = PromptLedger(self.prompts, StalenessManager(
             sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts),
@@ -176,9 +204,14 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
         logger.info("run directory: %s", self.run_dir)
 
+    async def run_on_learners(self, name: str, *args: Any) -> Any:
+        """``LearnerWorker.<name>(*args)`` on every learner rank, from the learner thread (every
+        call to the learner ranks is made there, so they arrive in one order)."""
+        return await asyncio.get_running_loop().run_in_executor(self.learner_executor, self.learners.call, name, *args)
+
     # ------------------------------------------------------------------ pieces of a step
     async def sync_weights(self) -> None:
-        await self.engine.swap_weights(self.learner.export_hf_weights(), self.version)
+        self._sync_metrics = await self.transport.push(self.version)
 
     async def generate(self, prompts: Sequence[Prompt], step: int) -> List[List[Trajectory]]:
         return await generate_groups(self.engine, [(p, self.cfg.algo.group_size) for p in prompts], self.params,
@@ -187,15 +220,6 @@ class Trainer:
     async def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
         await score_groups(self.rewards, self.tokenizer.decode_response, [p.target for p in prompts], groups,
                            self.cfg.reward, self.cfg.rollout.max_new_tokens)
-
-    def assign_advantages(self, groups: List[List[Trajectory]]) -> None:
-        a = self.cfg.algo
-        if self.critic is not None:
-            flat = [t for grp in groups for t in grp]
-            self.critic.fill_values(flat)
-            assign_gae_advantages(flat, a.gamma, a.lam, a.gae_whiten)
-            return
-        assign_group_advantages(groups, a)
 
     def log_samples(self, step: int, prompts: Sequence[Prompt], groups: List[List[Trajectory]], n: int = 4) -> None:
         """A few decoded responses per logged step, for a person reading the run directory."""
@@ -208,34 +232,16 @@ class Trainer:
                 "finish_reason": traj.finish_reason, "reward": traj.reward}) + "\n")
 
     def train_on(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]], version: int) -> Dict[str, float]:
-        """Advantages, one learner update of policy ``version`` (step ``version + 1``), metrics:
-        the same for the synchronous loop and the asynchronous controller."""
+        """One learner update of policy ``version`` (step ``version + 1``) on every learner rank,
+        and the batch's metrics: the same for the synchronous loop and the asynchronous
+        controller. Runs on the learner thread."""
         step = version + 1
         flat = [t for grp in groups for t in grp]
         metrics = self.batch_metrics(flat, version)  # the verifier's rewards, before any KL charge
-        if self.cfg.algo.kl_in_reward:
-            metrics["reward/kl_penalty_mean"] = self.charge_kl_to_rewards(flat)
-        self.assign_advantages(groups)
-        self.log_samples(step, prompts, groups)
         with self.timeline.span("train", step=step):
-            lr = lr_at(self.cfg, step)
-            metrics.update(self.learner.train_step(flat, self.cfg.rollout.temperature, lr))
-            if self.critic is not None:
-                metrics.update(self.critic.train_step(flat, lr / self.cfg.learner.lr))
+            metrics.update(self.learners.call("train", groups, version, lr_at(self.cfg, step)))
+        self.log_samples(step, prompts, groups)  # with the advantages the learner assigned
         return metrics
-
-    def charge_kl_to_rewards(self, flat: Sequence[Trajectory]) -> float:
-        """reward -= kl_coef · Σ_t KL(policy ‖ reference) per sequence; returns the mean charge."""
-        a, temperature = self.cfg.algo, self.cfg.rollout.temperature
-        self.learner.fill_logprobs(flat, temperature)
-        self.learner.fill_logprobs(flat, temperature, reference=True)
-        charges = []
-        for traj in flat:
-            shaped = kl_shaped_reward(traj.reward, torch.tensor(traj.proximal_logprobs),
-                                      torch.tensor(traj.ref_logprobs), a.kl_coef, a.kl_estimator)
-            charges.append(traj.reward - shaped)
-            traj.reward = shaped
-        return float(np.mean(charges)) if charges else 0.0
 
     def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
         """Reward, length and staleness statistics of one training batch."""
@@ -309,6 +315,7 @@ class Trainer:
             "time/reward_s": t2 - t1,
             "time/train_s": t3 - t2,
             "time/sync_s": t4 - t3,
+            **self._sync_metrics,
             **self.engine_metrics(),
         })
         return metrics
@@ -357,8 +364,7 @@ class Trainer:
         """Continue from the newest loadable checkpoint of this run directory, if there is one:
         weights and optimizers, random states, the position in the prompt stream, the policy
         version and the prompts that were waiting or in flight (they are generated again)."""
-        found = load_newest_good(self.run_dir / "checkpoints",
-                                 lambda path: load_checkpoint(self.learner, path, critic=self.critic))
+        found = self.learners.call("resume", str(self.run_dir / "checkpoints"))
         if found is None:
             return
         path, state = found
@@ -381,12 +387,13 @@ class Trainer:
             "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
         }
         with self.timeline.span("checkpoint", step=step):
-            path = save_checkpoint(self.learner, self.run_dir / "checkpoints", step, state,
-                                   keep=self.cfg.trainer.checkpoint_keep, critic=self.critic)
-            if self.cfg.trainer.export_hf:
-                export_hf_checkpoint(self.learner.export_hf_weights(), self.cfg.model, self.learner.vocab_size,
-                                     path / "hf", tokenizer_dir=self.run_dir)
-            return path
+            path = await self.run_on_learners("save", str(self.run_dir / "checkpoints"), step, state,
+                                              "hf" if self.cfg.trainer.export_hf else None, str(self.run_dir))
+            return Path(path)
+
+    async def stop_requested(self) -> bool:
+        """A stop signal or file on any learner rank (they all stop after the same step)."""
+        return await self.run_on_learners("any_rank_asked", self.stop_watch.requested())
 
     # ------------------------------------------------------------------ the run
     async def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
@@ -400,7 +407,7 @@ class Trainer:
                         step, cfg.total_steps, metrics["reward/mean"], metrics["train/loss"],
                         metrics["train/entropy"], metrics["response/length_mean"],
                         metrics["staleness/mean"], metrics["time/step_s"])
-        if step < cfg.total_steps and self.stop_watch.requested():
+        if step < cfg.total_steps and await self.stop_requested():
             raise StopRequested(step, await self.save(step))
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
             await self.save(step)
@@ -431,6 +438,7 @@ class Trainer:
                 "queue/filtered_total": float(self.ledger.counts["filtered"]),
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
                 **self.engine_metrics(),
+                **self._sync_metrics,
             })
             last[0], last[1] = now, engine_tokens
             await self.after_step(step, metrics, history, progress)
@@ -447,11 +455,13 @@ class Trainer:
                         await self.after_step(step, metrics, history, progress)
                 elif ran:
                     await self.controller.run(cfg.total_steps, on_step, first_step=self.start_step)
-            except (StopRequested, RolloutsStopped) as stop:
-                # Stopped on request (checkpoint written) or the engine is gone: rollouts still
-                # running return their prompts, then the engine is released.
-                if isinstance(stop, StopRequested):
+            except (StopRequested, RolloutsStopped):
+                # Stopped on request (checkpoint written) or an engine is gone: rollouts still
+                # running are aborted and return their prompts, then the engines are released.
+                try:
                     await self.engine.abort()
+                except EngineError:
+                    pass  # the engine that failed; its requests have failed already
                 await self.controller.drain()
                 await self.engine.shutdown()
                 raise
@@ -463,17 +473,30 @@ class Trainer:
         return summarize(history)
 
     def run(self) -> Dict[str, float]:
+        finished = False
         try:
             summary = asyncio.run(self._run())
+            finished = True
         finally:
+            self.log_ledger()
+            self.learners.close()  # the other learner ranks leave their loop
             self.metrics.close()
             self.timeline.close()
             self.samples.close()
             self.rewards.close()
-            self.learner_executor.shutdown(wait=True)
+            # After a failure the learner thread may be stuck in a collective with a dead rank.
+            self.learner_executor.shutdown(wait=finished)
         logger.info("done: reward %.3f (first steps) -> %.3f (last steps); run dir %s",
                     summary["reward_first"], summary["reward_last"], self.run_dir)
         return summary
+
+
+    def log_ledger(self) -> None:
+        """Where every admitted prompt ended: a person (or a test) reads that none was lost."""
+        c, ledger = self.ledger.counts, self.ledger
+        logger.info("prompt ledger: %d admitted = %d consumed + %d returned + %d filtered + %d running + %d buffered "
+                    "(%s)", c["admitted"], c["consumed"], c["returned"], c["filtered"], ledger.in_flight,
+                    len(ledger.buffer), "balanced" if ledger.balanced() else "NOT balanced")
 
 
 def summarize(history: List[Dict[str, float]], window: int = 5) -> Dict[str, float]:

@@ -117,9 +117,9 @@ def test_vllm_engine_is_accepted_where_vllm_is_installed():
         assert load_config("tiny_cpu", ["rollout.engine=vllm"]).rollout.engine == "vllm"
 
 
-def test_torchrun_launcher_refuses_ppo_with_a_critic():
+def test_torchrun_world_takes_every_algorithm_and_refuses_vllm_engines_for_now():
     from megatron_rl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="algo.name=gae .* single-process trainer"):
-        load_config("tiny_cpu", ["algo.name=gae"], distributed=True)
-    assert load_config("tiny_cpu", ["algo.name=gae"]).algo.name == "gae"
+    assert load_config("tiny_cpu", ["algo.name=gae"], distributed=True).algo.name == "gae"
+    with pytest.raises(ConfigError, match="rollout.engine=vllm .* torchrun world"):
+        load_config("tiny_cpu", ["rollout.engine=vllm"], distributed=True)

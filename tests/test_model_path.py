@@ -93,7 +93,7 @@ def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path, 
     trainer.run()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/behav_logprob_gap"] < 1e-5 for r in rows)
-    trained = dict(trainer.learner.export_hf_weights())
+    trained = dict(trainer.worker.learner.export_hf_weights())
     step = tmp_path / "run" / "checkpoints" / "step_2"
     megatron_to_hf_checkpoint(step, tmp_path / "export")
     # trainer.export_hf wrote the same weights beside the checkpoint, with the run's tokenizer.
@@ -106,5 +106,5 @@ def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path, 
     assert not torch.equal(original.get("model.layers.0.self_attn.o_proj.weight"),
                            trained["model.layers.0.self_attn.o_proj.weight"])
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
-    gap = (hf_logits(reloaded, TOKENS) - _learner_logits(trainer.learner)).abs().max().item()
+    gap = (hf_logits(reloaded, TOKENS) - _learner_logits(trainer.worker.learner)).abs().max().item()
     assert gap <= 1e-4

@@ -64,14 +64,16 @@ def test_dry_run_prints_the_batch_script(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --time=04:00:00", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
                  f"#SBATCH --output={tmp_path}/slurm/slurm-%j.out", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                 f"trainer.run_dir={tmp_path}", "algo.group_size=4", "scontrol requeue"):
+                 f"trainer.run_dir={tmp_path}", "algo.group_size=4", "scontrol requeue", "-m megatron_rl.launch"):
         assert line in script, line
     assert not (tmp_path / "slurm").exists()  # a dry run writes nothing
 
 
 def test_bad_arguments_fail_before_submitting(tmp_path):
     for args, message in ((["nodes=two"], "nodes='two' must be an integer"),
-                          (["algo.name=nope"], "algo.name='nope' is not allowed")):
+                          (["algo.name=nope"], "algo.name='nope' is not allowed"),
+                          (["procs_per_node=3", "learner.tp=2", "rollout.engines=2", "rollout.placement=disaggregated"],
+                           "cannot place this job on 3 ranks")):
         out = subprocess.run([sys.executable, "-m", "megatron_rl.slurm", "submit", *args, "--dry-run"],
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and message in out.stderr, out.stderr
@@ -90,9 +92,14 @@ def test_submitted_tiny_cpu_job_completes_and_learns(slurm, tmp_path):
     assert last >= first + 0.2, (first, last)
 
 
-def test_preempted_job_requeues_and_resumes_from_its_checkpoint(slurm, tmp_path):
-    steps = 40
-    result = _submit(tmp_path, f"trainer.total_steps={steps}", "cpus_per_task=2")
+WORLD = ("procs_per_node=4", "learner.tp=2", "rollout.engines=2", "rollout.placement=disaggregated")
+
+
+def test_preempted_world_job_requeues_and_resumes_from_its_checkpoint(slurm, tmp_path):
+    """The 4-rank world (TP=2 learner, 2 engine ranks) as a Slurm job: warned of preemption, it
+    checkpoints after its step, requeues itself, resumes and runs to the end."""
+    steps = 30
+    result = _submit(tmp_path, f"trainer.total_steps={steps}", "cpus_per_task=2", *WORLD)
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     deadline = time.time() + 300
@@ -111,6 +118,8 @@ def test_preempted_job_requeues_and_resumes_from_its_checkpoint(slurm, tmp_path)
     assert "requeueing job" in log and "attempt 2" in log
     train_log = (tmp_path / "logs" / "train.log").read_text()
     assert "resumed from" in train_log
+    assert "learner tp=2" in train_log and "2 embedded engine(s)" in train_log  # the world ran, twice
+    assert train_log.count("prompt ledger:") == 2 and "NOT balanced" not in train_log
     assert [r["step"] for r in _rows(tmp_path)] == list(range(1, steps + 1))
 
 

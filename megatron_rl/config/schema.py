@@ -288,6 +288,10 @@ class TrainerConfig:
     # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the
     # learner and the engine each get half, so their compute threads do not fight over cores.
     cpu_threads: int = 0
+    # torchrun world: how long any collective, weight sync or engine call may wait for another
+    # rank before the run fails naming the call and the ranks (a dead or stuck rank never hangs
+    # the job). Also how long learner ranks wait for the driver's next call.
+    rank_timeout_s: float = 1800.0
 
 
 @dataclass

@@ -110,7 +110,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             "rollout.engines", "rollout.tp", "rollout.temperature", "rollout.max_new_tokens",
             "rollout.max_batch_size", "algo.group_size", "algo.groups_per_batch",
             "trainer.total_steps", "reward.timeout_s", "reward.workers",
-            "data.min_digits", "data.max_prompt_tokens", "learner.lr_decay_steps",
+            "data.min_digits", "data.max_prompt_tokens", "learner.lr_decay_steps", "trainer.rank_timeout_s",
         ],
     )
     _positive(
@@ -207,6 +207,10 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
     _engine_device(cfg, distributed)
+    if distributed and cfg.rollout.engine == "vllm":
+        raise ConfigError("rollout.engine=vllm is not available yet in the torchrun world (its engines are "
+                          "embedded ones): use rollout.engine=embedded there, or vLLM in one process "
+                          "(python -m megatron_rl.main rollout.engine=vllm)")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "
@@ -218,7 +222,4 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
                 f"{key}={_get(cfg, key)} is not available yet in one process: launch the torchrun "
                 f"world split (`torchrun --nproc-per-node N -m megatron_rl.launch ...`) or use {key}=1"
             )
-    if distributed and cfg.algo.name == "gae":
-        raise ConfigError("algo.name=gae (PPO with a critic) runs in the single-process trainer for now, not in "
-                          f"the torchrun launcher; choose one of {', '.join(ADVANTAGE_ESTIMATORS)}")
     return cfg

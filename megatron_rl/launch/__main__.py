@@ -11,7 +11,7 @@ saying why and what would fit.
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import sys
 from typing import List, Optional
@@ -80,31 +80,42 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(cfg, plan, per_node: int) -> int:
+    import faulthandler
+    import signal
+    from datetime import timedelta
+
     import torch
 
     from ..learner.parallel import destroy, init_distributed
+    from ..main import run_guarded
+    from ..stop import STOPPED_EXIT
+    from ..rollout.lifetime import die_with_parent
     from ..telemetry.run_dir import setup_logging
     from .run import run_split_world
 
+    # A rank dies with its torchrun agent: a job killed with SIGKILL leaves no rank behind.
+    die_with_parent(os.getppid())
     setup_logging()  # every rank: log format, and megatron's expected CPU fallback warnings quiet
-    # `kill -USR1 <pid>` prints where a rank's threads are: the first thing to ask of a hung job.
-    import faulthandler
-    import signal
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # `kill -USR2 <pid>` prints where a rank's threads are: the first thing to ask of a hung job
+    # (SIGUSR1 is a stop request).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
 
     if not torch.cuda.is_available():
         # CPU: share the cores of this node among its ranks (one OpenMP team each).
         cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // per_node))
-    init_distributed()  # torchrun's env:// rendezvous; NCCL on GPUs, gloo on CPU
-    try:
-        summary = run_split_world(cfg, plan)
-    finally:
-        destroy()
-    if summary is not None:
-        print(json.dumps({k: v for k, v in summary.items() if isinstance(v, float)}))
-    return 0
+    # torchrun's env:// rendezvous; NCCL on GPUs, gloo on CPU
+    init_distributed(timeout=timedelta(seconds=cfg.trainer.rank_timeout_s))
+    rc = run_guarded(lambda: run_split_world(cfg, plan), prog="megatron_rl.launch")
+    if rc not in (0, STOPPED_EXIT):
+        # A failed world: a thread may be stuck in a collective with a dead rank, and the
+        # interpreter would wait for it at exit. The error line is out; leave now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    destroy()
+    return rc
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from datetime import timedelta
 from typing import Dict, Iterator, List, Optional, Sequence
 
 import torch.distributed as dist
@@ -77,10 +78,11 @@ def _world_view(first: int, size: int, member: bool) -> Iterator[None]:
         dist.get_world_size, dist.get_rank, dist.new_group = real_size, real_rank, real_new_group
 
 
-def _initialize(tp: int, pp: int, ep: int, cp: int) -> None:
+def _initialize(tp: int, pp: int, ep: int, cp: int, timeout: Optional[timedelta] = None) -> None:
+    minutes = {} if timeout is None else {"distributed_timeout_minutes": max(1, round(timeout.total_seconds() / 60))}
     _parallel_state().initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep, context_parallel_size=cp)
+        expert_model_parallel_size=ep, context_parallel_size=cp, **minutes)
 
 
 # Collectives Megatron calls on the default group (``group=None``); e.g. megatron-core 0.16.1's
@@ -120,13 +122,13 @@ def redirect_default_group(group: dist.ProcessGroup) -> None:
 
 
 def init_split_parallel_state(num_learner_ranks: int, tp: int, pp: int, ep: int = 1, cp: int = 1,
-                              engine_tp: int = 1, seed: int = 0) -> str:
+                              engine_tp: int = 1, seed: int = 0, timeout: Optional[timedelta] = None) -> str:
     """Collective over the whole world: Megatron's parallel_state for the learner layout on ranks
     ``[0, num_learner_ranks)`` and for engines of ``engine_tp`` ranks on the rest. Returns this
     rank's role, ``"learner"`` or ``"engine"``. ``torch.distributed`` must be initialised.
 
     On learner ranks the default group is redirected to the learners (``redirect_default_group``)
-    when engines share the world."""
+    when engines share the world. ``timeout``: of every group made (Megatron's in whole minutes)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from ..models.cpu_patches import apply_cpu_patches
@@ -147,30 +149,33 @@ def init_split_parallel_state(num_learner_ranks: int, tp: int, pp: int, ep: int 
     for first, size, member, layout in passes:
         before = _snapshot()
         with _world_view(first, size, member):
-            _initialize(**layout)
+            _initialize(**layout, timeout=timeout)
         if member:
             kept = _snapshot()
         _restore(before)
     assert kept is not None
     _restore(kept)
     # Every rank creates both groups (new_group is collective over the world); each keeps its own.
-    learner_group, engine_group = new_groups([range(num_learner_ranks), range(num_learner_ranks, world)])
+    learner_group, engine_group = new_groups([range(num_learner_ranks), range(num_learner_ranks, world)],
+                                             timeout=timeout)
     if learner and engines:
         redirect_default_group(learner_group)
     model_parallel_cuda_manual_seed(seed)
     return "learner" if learner else "engine"
 
 
-def new_groups(rank_lists: Sequence[Sequence[int]]) -> List[Optional[dist.ProcessGroup]]:
+def new_groups(rank_lists: Sequence[Sequence[int]], backend: Optional[str] = None,
+               timeout: Optional[timedelta] = None) -> List[Optional[dist.ProcessGroup]]:
     """Collective over the whole world: one group per rank list, in order (None where this rank
     is not a member)."""
     me = dist.get_rank()
+    options = {k: v for k, v in (("backend", backend), ("timeout", timeout)) if v is not None}
     out: List[Optional[dist.ProcessGroup]] = []
     for ranks in rank_lists:
         ranks = list(ranks)
         if not ranks:
             out.append(None)
             continue
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, **options)
         out.append(group if me in ranks else None)
     return out

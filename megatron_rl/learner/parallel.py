@@ -20,7 +20,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def init_distributed() -> None:
+def init_distributed(timeout=None) -> None:
     """Join the torchrun world if launched by torchrun; otherwise form a world of one process.
 
     A world of one uses a private TCP port and leaves the environment untouched, so processes
@@ -29,12 +29,13 @@ def init_distributed() -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if cuda_available() else "gloo"
+    options = {} if timeout is None else {"timeout": timeout}
     if cuda_available() and "LOCAL_RANK" in os.environ:
         # torchrun's placement; a world of one keeps the current device (cuda:0 unless the
         # process chose another, as an engine process on rollout.device=cuda:N does).
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, **options)
     else:
         dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)

@@ -17,7 +17,7 @@ from typing import List, Optional
 from .script import JobSpec, render
 
 # key=value arguments that describe the job rather than the training config.
-JOB_KEYS = {"nodes": int, "gpus_per_node": int, "cpus_per_task": int, "partition": str, "time": str,
+JOB_KEYS = {"nodes": int, "gpus_per_node": int, "procs_per_node": int, "cpus_per_task": int, "partition": str, "time": str,
             "account": str, "job_name": str, "signal_lead_s": int, "rdzv_port": int, "python": str}
 USAGE = __doc__
 
@@ -41,9 +41,19 @@ def parse(args: List[str]) -> JobSpec:
                 raise ValueError(f"{key}={value!r} must be {kind}") from None
         else:
             overrides.append(arg)
-    if job.get("nodes", 1) < 1 or job.get("gpus_per_node", 0) < 0:
-        raise ValueError("nodes must be >= 1 and gpus_per_node >= 0")
-    cfg = load_config(recipe, overrides)  # fail here, not after the job waited in the queue
+    if job.get("nodes", 1) < 1 or job.get("gpus_per_node", 0) < 0 or job.get("procs_per_node", 1) < 1:
+        raise ValueError("nodes and procs_per_node must be >= 1 and gpus_per_node >= 0")
+    # Fail here, not after the job waited in the queue: the config, and the placement of its
+    # layout on the job's ranks.
+    from ..launch.plan import PlacementError, plan_for
+
+    per_node = job.get("procs_per_node") or max(1, job.get("gpus_per_node", 0))
+    world = job.get("nodes", 1) * per_node
+    cfg = load_config(recipe, overrides, distributed=world > 1)
+    try:
+        plan_for(cfg, world, per_node)
+    except PlacementError as err:
+        raise ValueError(str(err)) from None
     run_dir = Path(cfg.trainer.run_dir or Path("runs") / recipe / time.strftime("%Y%m%d-%H%M%S")).resolve()
     overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")]
     return JobSpec(recipe=recipe, run_dir=run_dir, overrides=overrides, python=job.pop("python", sys.executable), **job)

@@ -1,5 +1,6 @@
 """The sbatch script of a run: srun starts one torchrun per node with a c10d rendezvous on the
-first node; a preemption signal asks the trainer to checkpoint and stop, then the job requeues
+first node, and every rank runs the launcher (``megatron_rl.launch``: its role from the placement
+plan; a world of one rank is the one-process trainer); a preemption signal asks the trainer to checkpoint and stop, then the job requeues
 itself and the rerun resumes from that checkpoint (same run directory)."""
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ class JobSpec:
     run_dir: Path
     overrides: List[str] = field(default_factory=list)
     nodes: int = 1
-    gpus_per_node: int = 0          # 0: a CPU job (one process per node)
+    gpus_per_node: int = 0          # 0: a CPU job
+    procs_per_node: Optional[int] = None  # ranks per node (default: one per GPU; a CPU job: 1)
     cpus_per_task: Optional[int] = None
     partition: Optional[str] = None
     time: Optional[str] = None      # Slurm's time format, e.g. 04:00:00
@@ -30,8 +32,8 @@ class JobSpec:
     workdir: Path = field(default_factory=Path.cwd)
 
     @property
-    def procs_per_node(self) -> int:
-        return max(1, self.gpus_per_node)
+    def ranks_per_node(self) -> int:
+        return self.procs_per_node or max(1, self.gpus_per_node)
 
 
 def render(spec: JobSpec) -> str:
@@ -58,7 +60,7 @@ def render(spec: JobSpec) -> str:
     train_args = " ".join(shlex.quote(a) for a in [f"recipe={spec.recipe}", f"trainer.run_dir={run_dir}",
                                                     *spec.overrides])
     header = "\n".join(f"#SBATCH {d}" for d in directives)
-    threads = f"$(( ${{SLURM_CPUS_PER_TASK:-$(getconf _NPROCESSORS_ONLN)}} / {spec.procs_per_node} ))"
+    threads = f"$(( ${{SLURM_CPUS_PER_TASK:-$(getconf _NPROCESSORS_ONLN)}} / {spec.ranks_per_node} ))"
     return f"""#!/usr/bin/env bash
 {header}
 # Written by `python -m megatron_rl.slurm submit`; resubmitting it continues the same run.
@@ -79,9 +81,9 @@ request_stop() {{ preempted=1; echo "megatron_rl: stop requested (signal) at $(d
 trap request_stop USR1 TERM
 
 srun --kill-on-bad-exit=1 {spec.python} -m torch.distributed.run \\
-  --nnodes="$SLURM_NNODES" --nproc-per-node={spec.procs_per_node} \\
+  --nnodes="$SLURM_NNODES" --nproc-per-node={spec.ranks_per_node} \\
   --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:{spec.rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \\
-  -m megatron_rl.main {train_args} &
+  -m megatron_rl.launch {train_args} &
 pid=$!
 # `wait` returns early when a trapped signal arrives: keep waiting for the training to stop.
 while :; do

@@ -68,11 +68,12 @@ def sync_topology(num_learner_ranks: int, tp: int, pp: int, cp: int, engine_rank
     return SyncTopology(tuple(stage * per_stage for stage in range(pp)), tuple(engine_ranks))
 
 
-def build_sync_groups(topology: SyncTopology) -> SyncGroups:
-    """Collective over the whole world (every rank calls it, members or not)."""
+def build_sync_groups(topology: SyncTopology, timeout=None) -> SyncGroups:
+    """Collective over the whole world (every rank calls it, members or not). ``timeout``: a
+    broadcast that waits longer for a peer fails instead of hanging."""
     from ..launch.groups import new_groups
 
-    return SyncGroups(topology, new_groups(topology.group_ranks()))
+    return SyncGroups(topology, new_groups(topology.group_ranks(), timeout=timeout))
 
 
 def _device() -> Optional[torch.device]:

@@ -1,6 +1,8 @@
 """Benchmark: one recipe with η = 0 (synchronous) and η = 4 (asynchronous), side by side.
 
     python tools/bench/async_vs_sync.py [--recipe longtail_cpu] [--steps 200] [--eta 4] [--repeats 1] [override ...]
+    python tools/bench/async_vs_sync.py --ranks 4 --recipe tiny_cpu learner.tp=2 rollout.engines=2 \
+        rollout.placement=disaggregated          # the same pair as a torchrun world of 4 ranks
 
 Runs `python -m megatron_rl.main` once per η (fresh processes, same seed, one after the other so
 they do not share cores) and prints, for each: its wall time (the η > 0 run's includes the extra
@@ -53,9 +55,11 @@ def time_to_reward(rows: list, target: float) -> float:
     return float(sum(r["time/step_s"] for r in rows[: reached[0] + window]))
 
 
-def run(recipe: str, steps: int, eta: int, overrides, root: Path, repeat: int = 0, extra: int = 0) -> dict:
+def run(recipe: str, steps: int, eta: int, overrides, root: Path, repeat: int = 0, extra: int = 0,
+        ranks: int = 1) -> dict:
     """One run; ``extra`` steps past ``steps`` are only used to find when it reaches a reward."""
-    all_rows, wall = train(recipe, steps + extra, eta, root / f"eta{eta}-{repeat}", overrides, f"eta={eta}")
+    all_rows, wall = train(recipe, steps + extra, eta, root / f"eta{eta}-{repeat}", overrides, f"eta={eta}",
+                           ranks=ranks)
     rows = all_rows[:steps]
     tail = rows[-WINDOW:]
     steady = rows[5:] or rows
@@ -86,6 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--eta", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=1, help="run the pair this many times, alternating")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="run each as a torchrun world of this many ranks (megatron_rl.launch)")
     parser.add_argument("--extra", type=float, default=0.25,
                         help="the eta>0 run goes on for this fraction of --steps more, to find when its "
                              "reward reaches eta=0's final reward (its figures at --steps ignore them)")
@@ -94,10 +100,10 @@ def main() -> None:
     # Both runs follow the schedule of an N-step run (the eta>0 run's extra steps stay at min_lr).
     overrides = [f"learner.lr_decay_steps={args.steps}", *overrides]
     with tempfile.TemporaryDirectory() as tmp:
-        pairs = [[run(args.recipe, args.steps, 0, overrides, Path(tmp), k),
-                  run(args.recipe, args.steps, args.eta, overrides, Path(tmp), k, extra)]
+        pairs = [[run(args.recipe, args.steps, 0, overrides, Path(tmp), k, ranks=args.ranks),
+                  run(args.recipe, args.steps, args.eta, overrides, Path(tmp), k, extra, ranks=args.ranks)]
                  for k in range(args.repeats)]
-    print(f"recipe={args.recipe} steps={args.steps} {' '.join(overrides)}")
+    print(f"recipe={args.recipe} steps={args.steps} ranks={args.ranks} {' '.join(overrides)}")
     print(f"{'eta':>4} {'wall s':>8} {'steps s':>8} {'final reward':>15} {'to R0 s':>8} {'resp len':>9} "
           f"{'longest':>8} {'staleness':>10} {'engine busy':>12} {'gen s/step':>11} {'train s/step':>13}")
     ratios, matched, ceilings = [], [], []

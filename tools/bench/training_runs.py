@@ -1,4 +1,5 @@
-"""One `python -m megatron_rl.main` run for a benchmark: a fresh process, its metrics read back."""
+"""One run for a benchmark: a fresh `python -m megatron_rl.main` process (or a torchrun world of
+`ranks` processes, `-m megatron_rl.launch`), its metrics read back."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from typing import Dict, List, Sequence, Tuple
 
 
 def train(recipe: str, steps: int, eta: int, run_dir: Path, overrides: Sequence[str], label: str,
-          echo: bool = False) -> Tuple[List[Dict], float]:
+          echo: bool = False, ranks: int = 1) -> Tuple[List[Dict], float]:
     """Run ``recipe`` for ``steps`` steps at η = ``eta`` into ``run_dir``; return its metric rows
     (one per step) and its wall time. A failed run ends the benchmark with its stderr's tail."""
-    cmd = [sys.executable, "-m", "megatron_rl.main", f"recipe={recipe}", f"trainer.total_steps={steps}",
+    entry = (["-m", "megatron_rl.main"] if ranks == 1 else
+             ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), "-m", "megatron_rl.launch"])
+    cmd = [sys.executable, *entry, f"recipe={recipe}", f"trainer.total_steps={steps}",
            f"scheduler.max_staleness={eta}", f"trainer.run_dir={run_dir}", "trainer.progress=false",
            "trainer.save_final_checkpoint=false", *overrides]
     if echo:
@@ -23,6 +26,6 @@ def train(recipe: str, steps: int, eta: int, run_dir: Path, overrides: Sequence[
     result = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - start
     if result.returncode != 0:
-        raise SystemExit(f"{label} run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+        raise SystemExit(f"{label} run failed (exit {result.returncode}):\n{(result.stderr or result.stdout)[-3000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return rows, wall

@@ -2,6 +2,14 @@
 in this process or in a child process of its own."""
 
 from .engine import EmbeddedEngine
-from .process import EngineProcess
 
 __all__ = ["EmbeddedEngine", "EngineProcess"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: process.py builds on rollout/client.py, which imports this package.
+    if name == "EngineProcess":
+        from .process import EngineProcess
+
+        return EngineProcess
+    raise AttributeError(name)

@@ -1,0 +1,156 @@
+"""A learner rank's part of a run: everything that runs on every learner rank at once.
+
+The driver (rank 0) decides what happens; every learner rank, the driver included, runs the same
+``LearnerWorker`` method with the same arguments (``group.py`` carries the calls), because each
+is collective over the learner ranks: a training step (Megatron's TP/PP/DP collectives), a
+checkpoint (dist_checkpointing), a weight send (gathers over TP/EP, broadcasts to the engines).
+In a world of one process the driver is the only learner rank and the calls are plain calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..algorithms.advantages import assign_group_advantages
+from ..algorithms.kl import kl_shaped_reward
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint.resume import load_newest_good
+from ..config.schema import RootConfig
+from ..types import Trajectory
+from .critic import Critic, assign_gae_advantages
+from .learner import Learner
+
+logger = logging.getLogger(__name__)
+
+
+class LearnerWorker:
+    """Policy learner (and critic, for PPO with GAE) of this rank.
+
+    ``local_engine``: colocated placement, this rank's engine and the event loop its client
+    lives on (weights are gathered here and loaded into it). ``sync_groups``: disaggregated
+    placement, the weight-sync groups to the engine ranks."""
+
+    def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int, sync_groups=None,
+                 local_engine: Optional[Tuple[Any, asyncio.AbstractEventLoop]] = None):
+        self.cfg = cfg
+        self.learner = Learner(cfg, vocab_size, pad_id=pad_id)
+        # PPO with GAE: a value model with the policy's layout, starting from its weights.
+        self.critic = (Critic(cfg, vocab_size, pad_id, self.learner.module) if cfg.algo.name == "gae" else None)
+        self.sync_groups = sync_groups
+        self.local_engine = local_engine
+
+    @property
+    def vocab_size(self) -> int:
+        return self.learner.vocab_size
+
+    # ---------------------------------------------------------------- a step
+    def train(self, groups: List[List[Trajectory]], version: int, lr: float) -> Dict[str, float]:
+        """KL charge (``algo.kl_in_reward``), advantages, one learner update (and the critic's)."""
+        cfg = self.cfg
+        flat = [t for grp in groups for t in grp]
+        metrics: Dict[str, float] = {}
+        self._sleep_local_engine()
+        if cfg.algo.kl_in_reward:
+            metrics["reward/kl_penalty_mean"] = self._charge_kl_to_rewards(flat)
+        if self.critic is not None:
+            self.critic.fill_values(flat)
+            assign_gae_advantages(flat, cfg.algo.gamma, cfg.algo.lam, cfg.algo.gae_whiten)
+        else:
+            assign_group_advantages(groups, cfg.algo)
+        metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr))
+        if self.critic is not None:
+            metrics.update(self.critic.train_step(flat, lr / cfg.learner.lr))
+        return metrics
+
+    def _charge_kl_to_rewards(self, flat: Sequence[Trajectory]) -> float:
+        """reward -= kl_coef · Σ_t KL(policy ‖ reference) per sequence; returns the mean charge."""
+        a, temperature = self.cfg.algo, self.cfg.rollout.temperature
+        self.learner.fill_logprobs(flat, temperature)
+        self.learner.fill_logprobs(flat, temperature, reference=True)
+        charges = []
+        for traj in flat:
+            shaped = kl_shaped_reward(traj.reward, torch.tensor(traj.proximal_logprobs),
+                                      torch.tensor(traj.ref_logprobs), a.kl_coef, a.kl_estimator)
+            charges.append(traj.reward - shaped)
+            traj.reward = shaped
+        return float(np.mean(charges)) if charges else 0.0
+
+    # ---------------------------------------------------------------- weights out
+    def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Every full HF-named tensor, on every learner rank (collective when sharded)."""
+        if not self._sharded():
+            return self.learner.export_hf_weights()
+        from ..weights.sync import all_hf_tensors
+
+        return iter(all_hf_tensors(self.learner.module, self.cfg.model).items())
+
+    def _sharded(self) -> bool:
+        return dist.is_initialized() and dist.get_world_size() > 1  # the learner ranks' world
+
+    def send_weights(self, version: int) -> Optional[float]:
+        """Disaggregated: gather this version over TP/EP and broadcast it to the engine ranks
+        (each stage's source sends); returns the source's seconds (None elsewhere)."""
+        from ..weights.sync import send_weights
+
+        stats = send_weights(self.learner.module, self.cfg.model, self.sync_groups, version)
+        return stats.seconds if stats is not None else None
+
+    def load_local_engine(self, version: int) -> None:
+        """Colocated: gather the full weights on every rank and load them into its own engine."""
+        engine, loop = self.local_engine
+        tensors = list(self.hf_weights())
+
+        async def swap() -> None:
+            await engine.wake_up()
+            await engine.swap_weights(tensors, version)
+
+        asyncio.run_coroutine_threadsafe(swap(), loop).result()
+        if self._sharded():
+            dist.barrier()  # every rank's engine holds the version before the driver goes on
+
+    def _sleep_local_engine(self) -> None:
+        """Colocated and synchronous: the engine gives its accelerator memory back while the
+        learner trains (a no-op for the embedded engine on CPU); ``load_local_engine`` wakes it."""
+        if self.local_engine is not None and self.cfg.scheduler.max_staleness == 0:
+            engine, loop = self.local_engine
+            asyncio.run_coroutine_threadsafe(engine.sleep(), loop).result()
+
+    # ---------------------------------------------------------------- checkpoints
+    def save(self, root: str, step: int, state: Dict[str, Any], export_dir: Optional[str] = None,
+             tokenizer_dir: Optional[str] = None) -> str:
+        """One checkpoint of the whole learner (every rank writes its shards), and optionally its
+        weights as a Hugging Face directory (gathered on every rank, written by rank 0)."""
+        path = save_checkpoint(self.learner, Path(root), step, state, keep=self.cfg.trainer.checkpoint_keep,
+                               critic=self.critic)
+        if export_dir is not None:
+            from ..models.convert import export_hf_checkpoint
+
+            tensors = list(self.hf_weights())
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                export_hf_checkpoint(tensors, self.cfg.model, self.vocab_size, path / export_dir,
+                                     tokenizer_dir=tokenizer_dir)
+        return str(path)
+
+    def resume(self, root: str) -> Optional[Tuple[str, Dict[str, Any]]]:
+        """Load the newest loadable checkpoint under ``root`` (None if there is none)."""
+        found = load_newest_good(Path(root), lambda path: load_checkpoint(self.learner, path, critic=self.critic))
+        return None if found is None else (str(found[0]), found[1])
+
+    # ---------------------------------------------------------------- stop requests
+    def any_rank_asked(self, asked: bool) -> bool:
+        """Whether any learner rank was asked to stop (a signal reaches each rank on its own)."""
+        from ..stop import local_stop_requested
+
+        asked = asked or local_stop_requested()
+        if self._sharded():
+            flag = torch.tensor([1.0 if asked else 0.0], device=self.learner.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            asked = bool(flag.item())
+        return asked

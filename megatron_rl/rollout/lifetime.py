@@ -1,0 +1,38 @@
+"""No process outlives its job: a child asks the kernel to kill it when its parent dies.
+
+A trainer killed with SIGKILL runs no clean-up, so its children must not depend on one: Linux's
+parent-death signal (``prctl(PR_SET_PDEATHSIG)``) delivers SIGKILL to the child the moment its
+parent exits, however it exits. Elsewhere (no prctl) this is a no-op and children are still shut
+down by the parent's normal exit paths.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have this process killed when ``parent_pid`` (its parent) exits; if the parent is already
+    gone (it died between starting us and this call), exit now. Returns whether the signal is set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+            return False
+    except OSError as err:
+        logger.warning("no parent-death signal (%s): this process may outlive a killed parent", err)
+        return False
+    if os.getppid() != parent_pid:  # the parent exited before the signal was armed
+        os._exit(1)
+    return True
