@@ -1,10 +1,10 @@
-"""Wires data, engine, rewards and learner into a run.
+"""Wires data, engines, rewards and learners into a run: the driver of every placement.
 
 One step: G samples per prompt → rewards → group advantages → train → push the new weights to
-the engine. ``scheduler.mode=async`` (default) runs that through the staleness-bounded
-controller (rollouts overlap training); ``scheduler.mode=sync`` is the plain reference loop, which
-the controller reproduces exactly at η = 0. Every step leaves metrics, timeline spans and logs in
-the run directory; the last step leaves a checkpoint."""
+the engines, all through the staleness-bounded controller (scheduler/controller.py), the one
+loop there is: rollouts overlap training under η, and η = 0 is the synchronous on-policy loop
+(one batch generated per version). Every step leaves metrics, timeline spans and logs in the
+run directory; the last step leaves a checkpoint."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import random
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import islice
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -38,7 +37,7 @@ from .rewards import REWARDS, RewardRunner, score_groups
 from .rollout.device import resolve_engine_device
 from .rollout.embedded import EmbeddedEngine, EngineProcess
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.workflow import generate_groups, single_turn_group
+from .rollout.workflow import single_turn_group
 from .rollout.engine import EngineError, RolloutEngine
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
@@ -151,7 +150,7 @@ class Trainer:
         # The learner computes on this thread, bound to this process's device (CUDA's is per thread).
         self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner", initializer=bind_thread_to_device,
                                                    initargs=(model_device(),))
-        overlap = cfg.scheduler.mode == "async" and cfg.scheduler.max_staleness > 0
+        overlap = cfg.scheduler.max_staleness > 0
         if world is None:
             device_index = engine_gpu(cfg)
             learner_threads, engine_threads = compute_threads(cfg, overlap)
@@ -213,10 +212,6 @@ class Trainer:
     async def sync_weights(self) -> None:
         self._sync_metrics = await self.transport.push(self.version)
 
-    async def generate(self, prompts: Sequence[Prompt], step: int) -> List[List[Trajectory]]:
-        return await generate_groups(self.engine, [(p, self.cfg.algo.group_size) for p in prompts], self.params,
-                                     f"s{step}")
-
     async def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
         await score_groups(self.rewards, self.tokenizer.decode_response, [p.target for p in prompts], groups,
                            self.cfg.reward, self.cfg.rollout.max_new_tokens)
@@ -233,8 +228,7 @@ class Trainer:
 
     def train_on(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]], version: int) -> Dict[str, float]:
         """One learner update of policy ``version`` (step ``version + 1``) on every learner rank,
-        and the batch's metrics: the same for the synchronous loop and the asynchronous
-        controller. Runs on the learner thread."""
+        and the batch's metrics. Runs on the learner thread."""
         step = version + 1
         flat = [t for grp in groups for t in grp]
         metrics = self.batch_metrics(flat, version)  # the verifier's rewards, before any KL charge
@@ -285,40 +279,6 @@ class Trainer:
         """(generated tokens, trained tokens) of a batch."""
         generated = sum(len(t.response_ids) for t in flat)
         return generated, generated + sum(len(t.prompt_ids) for t in flat)
-
-    # ------------------------------------------------------------------ synchronous loop
-    async def sync_step(self, step: int) -> Dict[str, float]:
-        """Generate one batch with the current weights, score, train, publish: the reference
-        loop (``scheduler.mode=sync``) that the asynchronous controller must match at η = 0."""
-        cfg = self.cfg
-        t0 = time.perf_counter()
-        prompts = list(islice(self.prompts, cfg.algo.groups_per_batch))
-        with self.timeline.span("generate", step=step):
-            groups = await self.generate(prompts, step)
-        t1 = time.perf_counter()
-        with self.timeline.span("reward", step=step):
-            await self.score(prompts, groups)
-        t2 = time.perf_counter()
-        metrics = await asyncio.get_running_loop().run_in_executor(
-            self.learner_executor, self.train_on, prompts, groups, self.version)
-        flat = [t for grp in groups for t in grp]
-        self.version += 1
-        t3 = time.perf_counter()
-        with self.timeline.span("sync", step=step, version=self.version):
-            await self.sync_weights()
-        t4 = time.perf_counter()
-        gen_tokens, train_tokens = self.tokens(flat)
-        metrics.update({
-            "perf/generate_tokens_per_s": gen_tokens / max(t1 - t0, 1e-9),
-            "perf/train_tokens_per_s": train_tokens / max(t3 - t2, 1e-9),
-            "time/generate_s": t1 - t0,
-            "time/reward_s": t2 - t1,
-            "time/train_s": t3 - t2,
-            "time/sync_s": t4 - t3,
-            **self._sync_metrics,
-            **self.engine_metrics(),
-        })
-        return metrics
 
     # ------------------------------------------------------------------ asynchronous pieces
     async def rollout_group(self, ticket: Ticket) -> List[Trajectory]:
@@ -447,13 +407,7 @@ class Trainer:
         ran = self.start_step <= cfg.total_steps
         with Progress(cfg.total_steps, enabled=cfg.progress, start=self.start_step - 1) as progress:
             try:
-                if self.cfg.scheduler.mode == "sync":
-                    for step in range(self.start_step, cfg.total_steps + 1):
-                        t0 = time.perf_counter()
-                        metrics = await self.sync_step(step)
-                        metrics["time/step_s"] = time.perf_counter() - t0
-                        await self.after_step(step, metrics, history, progress)
-                elif ran:
+                if ran:
                     await self.controller.run(cfg.total_steps, on_step, first_step=self.start_step)
             except (StopRequested, RolloutsStopped):
                 # Stopped on request (checkpoint written) or an engine is gone: rollouts still

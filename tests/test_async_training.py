@@ -20,13 +20,50 @@ def _run_cli(run_dir, *overrides, timeout=900):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_eta_zero_async_equals_sync_loop(tmp_path):
-    sync = _run_cli(tmp_path / "sync", "trainer.total_steps=12", "scheduler.mode=sync", "scheduler.max_staleness=0")
-    async_ = _run_cli(tmp_path / "async", "trainer.total_steps=12", "scheduler.mode=async",
-                      "scheduler.max_staleness=0")
+def _plain_synchronous_loop(trainer, steps: int):
+    """The synchronous loop written out plainly, from the trainer's pieces: B prompts, G samples
+    each with the current weights, their scores, one update, publish; metrics per step."""
+    from megatron_rl.rollout.workflow import single_turn_group
+
+    b, g = trainer.cfg.algo.groups_per_batch, trainer.cfg.algo.group_size
+
+    async def loop():
+        await trainer.sync_weights()
+        out, admitted = [], 0
+        for step in range(1, steps + 1):
+            prompts = [next(trainer.prompts) for _ in range(b)]
+            # The request ids the controller gives (admission order); with seed_by_request they
+            # alone decide the tokens, whatever order the engine serves them in.
+            groups = await asyncio.gather(*(
+                single_turn_group(trainer.engine, p, trainer.params, [f"g{admitted + j}-{p.uid}-{i}" for i in range(g)])
+                for j, p in enumerate(prompts)))
+            admitted += b
+            groups = [list(group) for group in groups]
+            await trainer.score(prompts, groups)
+            out.append(trainer.train_on(prompts, groups, step - 1))
+            trainer.version = step
+            await trainer.sync_weights()
+        await trainer.engine.shutdown()
+        return out
+
+    return asyncio.run(loop())
+
+
+def test_eta_zero_is_the_plain_synchronous_loop(megatron_world, tmp_path):
+    """The controller at η = 0 is the synchronous loop: the same rewards, losses, entropies and
+    gradient norms, bit for bit, as the loop written out by hand."""
+    from megatron_rl.trainer import Trainer
+
+    steps = 10
+    common = [f"trainer.total_steps={steps}", "trainer.progress=false", "trainer.save_final_checkpoint=false",
+              "scheduler.max_staleness=0", "rollout.seed_by_request=true"]
+    plain = _plain_synchronous_loop(Trainer(load_config("tiny_cpu", [*common, f"trainer.run_dir={tmp_path / 'plain'}"])),
+                                    steps)
+    Trainer(load_config("tiny_cpu", [*common, f"trainer.run_dir={tmp_path / 'controller'}"])).run()
+    controlled = [json.loads(line) for line in (tmp_path / "controller" / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "train/loss", "train/entropy", "train/grad_norm", "response/length_mean"):
-        assert [m[key] for m in sync] == [m[key] for m in async_], key
-    assert all(m["staleness/max"] == 0 for m in async_)
+        assert [m[key] for m in plain] == [m[key] for m in controlled], key
+    assert all(m["staleness/max"] == 0 for m in controlled)
 
 
 def test_eta_two_learns_within_its_bound(tmp_path):

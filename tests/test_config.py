@@ -41,7 +41,6 @@ def test_tiny_cpu_loads_and_overrides():
         ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
         ("scheduler.max_ahead_batches=0.5", "scheduler.max_ahead_batches=0.5 is less than one batch"),
         ("algo.kl_in_reward=true", "algo.kl_in_reward=true needs algo.kl_coef > 0"),
-        ("algo.filter_groups=true scheduler.mode=sync scheduler.max_staleness=0", "needs scheduler.mode=async"),
         ("algo.lam=1.5", "algo.lam=1.5 must be in [0, 1]"),
         ("critic.lr=0", "critic.lr=0.0 must be > 0 (or null to use learner.lr)"),
         ("critic.value_clip=-1", "critic.value_clip=-1.0 must be >= 0"),

@@ -153,11 +153,9 @@ class RolloutConfig:
 
 @dataclass
 class SchedulerConfig:
-    # η: how many policy versions a trained sample may lag behind (0 = synchronous on-policy).
+    # η: how many policy versions a trained sample may lag behind. 0 is the synchronous
+    # on-policy loop: one batch generated per version, trained, published.
     max_staleness: int = 0
-    # async: the staleness-bounded controller (rollouts overlap training); sync: the reference
-    # loop (generate a batch, train, publish), equal to async at max_staleness=0.
-    mode: str = "async"
     max_concurrent_rollouts: int = 1024
     # Groups running or waiting to be trained, in batches (algo.groups_per_batch each): 2 lets the
     # engine fill one batch while the learner's next is finishing (a long response does not stall

@@ -29,7 +29,6 @@ ALLOWED = {
     "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
-    "scheduler.mode": ("async", "sync"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),
     "data.template": ("plain", "qa"),
     "data.tokenizer": ("char", "bpe"),
@@ -182,14 +181,6 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         raise ConfigError(f"data.max_digits={d.max_digits} must be >= data.min_digits={d.min_digits}")
     if d.length_tail < 0:
         raise ConfigError(f"data.length_tail={d.length_tail} must be >= 0 (0 = uniform lengths)")
-    if cfg.algo.filter_groups and cfg.scheduler.mode == "sync":
-        raise ConfigError("algo.filter_groups=true needs scheduler.mode=async (the sync loop is the plain "
-                          "reference loop); use scheduler.mode=async scheduler.max_staleness=0 for on-policy")
-    if cfg.scheduler.mode == "sync" and cfg.scheduler.max_staleness > 0:
-        raise ConfigError(
-            f"scheduler.max_staleness={cfg.scheduler.max_staleness} needs scheduler.mode=async "
-            "(the sync loop is always on-policy); for the sync loop add scheduler.max_staleness=0"
-        )
     if d.distinct_digits and d.max_digits > len(set(d.digits)):
         raise ConfigError(
             f"data.max_digits={d.max_digits} exceeds the {len(set(d.digits))} distinct symbols of "
