@@ -168,6 +168,7 @@ class Trainer:
             self.worker, self.learners, self.engine = world.worker, world.learners, world.engine
             self.transport = (ColocatedTransport(self.run_on_learners) if world.colocated
                               else BroadcastTransport(world.remote_engines, self.run_on_learners))
+            self.learners.call("open_timeline", str(self.run_dir))
             logger.info("torchrun world:\n%s", world.table)
             (self.run_dir / "world.json").write_text(json.dumps({"plan": world.table, "ranks": world.ranks}, indent=1))
         self.tokenizer.save(self.run_dir / "tokenizer.json")
@@ -182,6 +183,7 @@ class Trainer:
                                      stop_token_ids=(self.tokenizer.eos_id,), stream=False,
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
+        self._remote_engines = [] if world is None else world.remote_engines
         self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
         self.version = 0
         self._engine_prev = copy.copy(self.engine.stats)
@@ -374,6 +376,7 @@ class Trainer:
 
     async def _run(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
+        await asyncio.gather(*(e.open_timeline(str(self.run_dir)) for e in self._remote_engines))
         await self.engine.set_sampling_state(self._engine_sampling_state)
         await self.sync_weights()  # the engine starts from the learner's (initial or resumed) weights
         history: List[Dict[str, float]] = self.metrics.history()

@@ -20,6 +20,7 @@ from megatron_rl.checkpoint.resume import (CountingIterator, ResumeError, captur
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.scheduler.ledger import PromptLedger
 from megatron_rl.scheduler.staleness import StalenessManager
+from world_runs import alive_after, descendants
 
 COMPARED = ("reward/mean", "train/loss", "train/entropy", "train/grad_norm", "response/length_mean")
 
@@ -52,10 +53,12 @@ def test_killed_run_resumes_exactly(tmp_path, eta):
     deadline = time.time() + 600
     while len(_rows(run_dir)) < kill_after and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
+    children = descendants(proc.pid)  # e.g. megatron-core's checkpoint writer process
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = len(_rows(run_dir))
     assert kill_after <= done < steps, f"the run was not killed mid-way ({done} steps written)"
+    assert not alive_after(children, 10), "a process of the killed trainer outlived it"
 
     resumed = subprocess.run(_cmd(run_dir, steps, eta=eta), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

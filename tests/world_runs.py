@@ -96,6 +96,14 @@ def alive(pids: Sequence[int]) -> List[int]:
     return [pid for pid in pids if (st := _stat(pid)) is not None and st[0] != "Z"]
 
 
+def alive_after(pids: Sequence[int], seconds: float) -> List[int]:
+    """The processes of ``pids`` still running ``seconds`` from now (sooner if all are gone)."""
+    deadline = time.time() + seconds
+    while (left := alive(pids)) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 def world_ranks(run_dir: Path) -> List[dict]:
     return json.loads((Path(run_dir) / "world.json").read_text())["ranks"]
 

@@ -22,24 +22,31 @@ def load_spans(run_dir: Path) -> List[Dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def lane_of(span: Dict) -> str:
+    """The driver's spans by name; another rank's (a torchrun world) in lanes of their own."""
+    rank = span.get("rank", 0)
+    return span["name"] if not rank else f"{span['name']} r{rank}"
+
+
 def render(spans: List[Dict], width: int = 1200, lane_height: int = 28) -> str:
     if not spans:
         raise ValueError("timeline has no spans")
     t0 = min(s["start"] for s in spans)
     t1 = max(s["end"] for s in spans)
     scale = (width - 110) / max(t1 - t0, 1e-9)
-    lanes = [lane for lane in LANES if any(s["name"] == lane for s in spans)]
-    lanes += sorted({s["name"] for s in spans} - set(lanes))
+    names = {lane_of(s) for s in spans}
+    lanes = [lane for lane in LANES if lane in names]
+    lanes += sorted(names - set(lanes), key=lambda lane: (lane.split(" r")[-1], lane))
     height = lane_height * len(lanes) + 40
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" font-size="12">']
     for i, lane in enumerate(lanes):
         y = 10 + i * lane_height
         out.append(f'<text x="4" y="{y + lane_height * 0.65:.1f}">{lane}</text>')
-        for s in (s for s in spans if s["name"] == lane):
+        for s in (s for s in spans if lane_of(s) == lane):
             x = 100 + (s["start"] - t0) * scale
             w = max((s["end"] - s["start"]) * scale, 0.5)
             out.append(f'<rect x="{x:.2f}" y="{y + 3}" width="{w:.2f}" height="{lane_height - 6}" '
-                       f'fill="{COLOURS.get(lane, "#76b7b2")}" fill-opacity="0.55"/>')
+                       f'fill="{COLOURS.get(lane.split(" r")[0], "#76b7b2")}" fill-opacity="0.55"/>')
     axis_y = 10 + len(lanes) * lane_height + 15
     out.append(f'<text x="100" y="{axis_y}">0 s</text>')
     out.append(f'<text x="{width - 60}" y="{axis_y}">{t1 - t0:.1f} s</text>')

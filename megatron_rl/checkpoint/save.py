@@ -41,6 +41,9 @@ def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any
                     critic=None) -> Path:
     from megatron.core import dist_checkpointing
 
+    from ..lifetime import checkpoint_writer_dies_with_us
+
+    checkpoint_writer_dies_with_us()
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step}"
     tmp = root / f".step_{step}.tmp"

@@ -89,7 +89,7 @@ def _run(cfg, plan, per_node: int) -> int:
     from ..learner.parallel import destroy, init_distributed
     from ..main import run_guarded
     from ..stop import STOPPED_EXIT
-    from ..rollout.lifetime import die_with_parent
+    from ..lifetime import die_with_parent
     from ..telemetry.run_dir import setup_logging
     from .run import run_split_world
 

@@ -20,12 +20,14 @@ learner ranks that carries the driver's calls. Every group is made with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import socket
 import threading
 from datetime import timedelta
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
@@ -121,19 +123,31 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
                             recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address)
+    timeline = [None]
+
+    async def open_timeline(run_dir: str) -> None:
+        from ..telemetry.metrics import Timeline
+
+        timeline[0] = Timeline(Path(run_dir) / "timeline.jsonl", rank=dist.get_rank())
+
+    def span(name: str, **attrs):
+        return timeline[0].span(name, **attrs) if timeline[0] is not None else contextlib.nullcontext()
+
     async def receive(version: int) -> float:
         # The buckets arrive on a thread of their own while the engine keeps generating; then the
         # version is swapped in whole.
-        got, tensors, stats = await _in_daemon_thread(receive_weights, sync)
+        with span("sync", version=version):
+            got, tensors, stats = await _in_daemon_thread(receive_weights, sync)
         if got != version:
             raise RuntimeError(f"asked to receive weights v{version}, the learners sent v{got}")
-        await engine.swap_weights(tensors.items(), version)
+        with span("swap", version=version):
+            await engine.swap_weights(tensors.items(), version)
         logger.debug("engine %d: weights v%d, %.1f MB in %.3f s", engine_index, version, stats.bytes / 1e6,
                      stats.seconds)
         return stats.seconds
 
     conn = listener.accept()
-    asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive}).run())
+    asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": open_timeline}).run())
 
 
 def _in_daemon_thread(fn, *args) -> "asyncio.Future":

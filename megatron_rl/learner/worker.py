@@ -10,6 +10,7 @@ In a world of one process the driver is the only learner rank and the calls are 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -45,6 +46,18 @@ class LearnerWorker:
         self.critic = (Critic(cfg, vocab_size, pad_id, self.learner.module) if cfg.algo.name == "gae" else None)
         self.sync_groups = sync_groups
         self.local_engine = local_engine
+        self.timeline = None  # the other learner ranks' spans (the driver records its own)
+
+    def open_timeline(self, run_dir: str) -> None:
+        """The other learner ranks add their spans (train, sync, checkpoint) to the run's
+        timeline, tagged with their rank."""
+        if self._sharded() and dist.get_rank() != 0:
+            from ..telemetry.metrics import Timeline
+
+            self.timeline = Timeline(Path(run_dir) / "timeline.jsonl", rank=dist.get_rank())
+
+    def _span(self, name: str, **attrs):
+        return self.timeline.span(name, **attrs) if self.timeline is not None else contextlib.nullcontext()
 
     @property
     def vocab_size(self) -> int:
@@ -64,9 +77,10 @@ class LearnerWorker:
             assign_gae_advantages(flat, cfg.algo.gamma, cfg.algo.lam, cfg.algo.gae_whiten)
         else:
             assign_group_advantages(groups, cfg.algo)
-        metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr))
-        if self.critic is not None:
-            metrics.update(self.critic.train_step(flat, lr / cfg.learner.lr))
+        with self._span("train", step=version + 1):
+            metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr))
+            if self.critic is not None:
+                metrics.update(self.critic.train_step(flat, lr / cfg.learner.lr))
         return metrics
 
     def _charge_kl_to_rewards(self, flat: Sequence[Trajectory]) -> float:
@@ -99,19 +113,21 @@ class LearnerWorker:
         (each stage's source sends); returns the source's seconds (None elsewhere)."""
         from ..weights.sync import send_weights
 
-        stats = send_weights(self.learner.module, self.cfg.model, self.sync_groups, version)
+        with self._span("sync", version=version):
+            stats = send_weights(self.learner.module, self.cfg.model, self.sync_groups, version)
         return stats.seconds if stats is not None else None
 
     def load_local_engine(self, version: int) -> None:
         """Colocated: gather the full weights on every rank and load them into its own engine."""
         engine, loop = self.local_engine
-        tensors = list(self.hf_weights())
 
         async def swap() -> None:
             await engine.wake_up()
             await engine.swap_weights(tensors, version)
 
-        asyncio.run_coroutine_threadsafe(swap(), loop).result()
+        with self._span("sync", version=version):
+            tensors = list(self.hf_weights())
+            asyncio.run_coroutine_threadsafe(swap(), loop).result()
         if self._sharded():
             dist.barrier()  # every rank's engine holds the version before the driver goes on
 
@@ -127,8 +143,9 @@ class LearnerWorker:
              tokenizer_dir: Optional[str] = None) -> str:
         """One checkpoint of the whole learner (every rank writes its shards), and optionally its
         weights as a Hugging Face directory (gathered on every rank, written by rank 0)."""
-        path = save_checkpoint(self.learner, Path(root), step, state, keep=self.cfg.trainer.checkpoint_keep,
-                               critic=self.critic)
+        with self._span("checkpoint", step=step):
+            path = save_checkpoint(self.learner, Path(root), step, state, keep=self.cfg.trainer.checkpoint_keep,
+                                   critic=self.critic)
         if export_dir is not None:
             from ..models.convert import export_hf_checkpoint
 

@@ -55,6 +55,10 @@ class RemoteEngine(EngineClient):
         await self._call("receive_weights", version)
         self._version = version
 
+    async def open_timeline(self, run_dir: str) -> None:
+        """The engine rank adds its spans (weight receive, swap) to the run's timeline."""
+        await self._call("open_timeline", run_dir)
+
     async def update_weights(self, named_tensors, version: int) -> None:
         raise EngineError(f"{self.name}: weights reach engines on other ranks through the weight-sync groups "
                           "(receive_weights), not through its connection")

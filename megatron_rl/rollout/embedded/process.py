@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 from ...config.schema import ModelConfig
 from ..client import EngineClient
 from ..engine import EngineError
-from ..lifetime import die_with_parent
+from ...lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,8 @@
 A trainer killed with SIGKILL runs no clean-up, so its children must not depend on one: Linux's
 parent-death signal (``prctl(PR_SET_PDEATHSIG)``) delivers SIGKILL to the child the moment its
 parent exits, however it exits. Elsewhere (no prctl) this is a no-op and children are still shut
-down by the parent's normal exit paths.
+down by the parent's normal exit paths. Used by torchrun's ranks, engine processes, and the
+process Megatron's checkpoint writer starts (``checkpoint_writer_dies_with_us``).
 """
 
 from __future__ import annotations
@@ -36,3 +37,29 @@ def die_with_parent(parent_pid: int) -> bool:
     if os.getppid() != parent_pid:  # the parent exited before the signal was armed
         os._exit(1)
     return True
+
+
+_writer_manager = None
+
+
+def checkpoint_writer_dies_with_us() -> None:
+    """megatron-core's checkpoint writer collects results through a multiprocessing Manager,
+    a server process it starts on first save and that watches nothing: after a SIGKILL of this
+    process it would live on, orphaned. Start that Manager here, with a parent-death signal, and
+    hand Megatron its queue (idempotent)."""
+    global _writer_manager
+    if _writer_manager is not None:
+        return
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return  # already made by Megatron (before this was called): nothing to replace
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = manager
