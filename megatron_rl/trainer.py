@@ -35,9 +35,9 @@ from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
 from .rewards import REWARDS, RewardRunner, score_groups
 from .rollout.device import resolve_engine_device
-from .rollout.embedded import EmbeddedEngine, EngineProcess
+from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.workflow import single_turn_group
+from .rollout.workflow import WORKFLOWS
 from .rollout.engine import EngineError, RolloutEngine
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
@@ -87,22 +87,9 @@ def engine_gpu(cfg: RootConfig) -> Optional[int]:
 
 
 def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
-                 engine_threads: int, device_index: Optional[int] = None):
-    r = cfg.rollout
-    if r.engine == "vllm":
-        # Imported here: the vLLM package is optional. Its engine core runs in a process of its
-        # own; it starts on dummy weights and the trainer pushes the learner's before any rollout.
-        from .rollout.vllm import VLLMEngine
-
-        return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                          tp=r.tp)
-    if r.separate_process:
-        return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                             recompute_kv_on_update=r.recompute_kv_on_update, device_index=device_index)
-    # Without overlap the engine computes on the learner's thread: one thread team for the cores.
-    return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
-                          executor=None if overlap else learner_executor,
-                          recompute_kv_on_update=r.recompute_kv_on_update)
+                 engine_threads: int, device_index: Optional[int] = None) -> RolloutEngine:
+    """The engine that ``rollout.engine`` names, from its builder in rollout/build.py."""
+    return ENGINES.get(cfg.rollout.engine)(cfg, vocab, overlap, learner_executor, engine_threads, device_index)
 
 
 def lr_at(cfg: RootConfig, step: int) -> float:
@@ -288,8 +275,8 @@ class Trainer:
         g, p = self.cfg.algo.group_size, ticket.prompt
         with self.timeline.span("generate", group=ticket.index):
             try:
-                trajs = await single_turn_group(self.engine, p, self.params,
-                                                [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
+                trajs = await WORKFLOWS.get(self.cfg.rollout.workflow)(
+                    self.engine, p, self.params, [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
             except EngineError:
                 self._raise_if_engine_gone()
                 raise

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
+from ..registry import Registry
+
 if TYPE_CHECKING:
+    from ..config.schema import AlgoConfig
     from ..types import Trajectory
 
 
@@ -65,31 +68,53 @@ def batch_whitened_advantages(rewards: torch.Tensor, lengths: torch.Tensor, subt
     return torch.where(weights > 0, (returns - mean) / (var.sqrt() + eps), torch.zeros_like(returns))
 
 
-# algo.name -> how its advantages are computed from [groups, group_size] rewards and lengths.
-ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+# algo.name -> the function computing its sequence advantages, called as
+# fn(rewards [groups, group_size], lengths [groups, group_size], eps, normalize_by_std).
+AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+# algo.name values whose advantages need a critic's values (learner/critic.py), not group rewards.
+CRITIC_ESTIMATORS = ("gae",)
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def _grpo(rewards: torch.Tensor, lengths: torch.Tensor, eps: float, normalize_by_std: bool) -> torch.Tensor:
+    return group_relative_advantages(rewards, normalize_by_std, eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("dr_grpo")
+def _dr_grpo(rewards: torch.Tensor, lengths: torch.Tensor, eps: float, normalize_by_std: bool) -> torch.Tensor:
+    return group_relative_advantages(rewards, normalize_by_std=False)
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def _rloo(rewards: torch.Tensor, lengths: torch.Tensor, eps: float, normalize_by_std: bool) -> torch.Tensor:
+    return leave_one_out_advantages(rewards)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def _reinforce_pp(rewards: torch.Tensor, lengths: torch.Tensor, eps: float, normalize_by_std: bool) -> torch.Tensor:
+    return batch_whitened_advantages(rewards, lengths, False, eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def _reinforce_pp_baseline(rewards: torch.Tensor, lengths: torch.Tensor, eps: float,
+                           normalize_by_std: bool) -> torch.Tensor:
+    return batch_whitened_advantages(rewards, lengths, True, eps)
 
 
 def compute_advantages(name: str, rewards: torch.Tensor, lengths: torch.Tensor, eps: float = 1e-6,
                        normalize_by_std: bool = True) -> torch.Tensor:
     """Sequence advantages of one batch for the estimator ``algo.name``."""
-    if name == "grpo":
-        return group_relative_advantages(rewards, normalize_by_std, eps)
-    if name == "dr_grpo":
-        return group_relative_advantages(rewards, normalize_by_std=False)
-    if name == "rloo":
-        return leave_one_out_advantages(rewards)
-    if name in ("reinforce_pp", "reinforce_pp_baseline"):
-        return batch_whitened_advantages(rewards, lengths, name == "reinforce_pp_baseline", eps)
-    raise ValueError(f"unknown advantage estimator {name!r}; choose one of {ADVANTAGE_ESTIMATORS}")
+    return ADVANTAGE_ESTIMATORS.get(name)(rewards, lengths, eps, normalize_by_std)
 
 
-def assign_group_advantages(groups: Sequence[Sequence["Trajectory"]], algo) -> None:
+def assign_group_advantages(groups: Sequence[Sequence["Trajectory"]], algo: "AlgoConfig") -> None:
     """Set each trajectory's sequence advantage from its group's rewards with ``algo.name``'s
     estimator (``algo`` is the AlgoConfig). PPO with a critic (gae) is per token and needs the
     critic's values: learner/critic.py assigns those."""
     if algo.name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"algo.name={algo.name!r} needs a critic's values; only the single-process trainer "
-                         f"builds a critic so far; group estimators: {ADVANTAGE_ESTIMATORS}")
+                         f"builds a critic so far; group estimators: {ADVANTAGE_ESTIMATORS.names()}")
     rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
     lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
     adv = compute_advantages(algo.name, rewards, lengths, algo.adv_eps, algo.normalize_adv_by_std)

@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Tuple
 
 import torch
+
+from ..registry import Registry
+
+if TYPE_CHECKING:
+    from ..config.schema import AlgoConfig
 
 
 def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
@@ -102,6 +107,38 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
             "approx_kl_sum": (((ratio - 1) - seq_log_ratio) * mask).sum(),
         }
     return loss * mask, stats
+
+
+# algo.policy_loss -> its per-token loss, called as
+# fn(logprobs, old_logprobs, behav_logprobs, advantages, mask, algo) -> (per-token loss, stats):
+# one signature, so the learner calls whichever is configured the same way. ``old_logprobs`` are
+# the proximal policy's (the learner's weights before this update), ``behav_logprobs`` the
+# engine's that sampled the tokens; ``algo`` is the AlgoConfig, for the loss's own settings.
+PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "AlgoConfig"],
+                      Tuple[torch.Tensor, Dict[str, torch.Tensor]]]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+
+
+@POLICY_LOSSES.register("decoupled")
+def _decoupled(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+               advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
+               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    return decoupled_ppo_loss(logprobs, old_logprobs, behav_logprobs, advantages, mask, algo.clip_low,
+                              algo.clip_high, algo.behav_imp_weight_cap, algo.dual_clip, algo.behav_weight_level)
+
+
+@POLICY_LOSSES.register("ppo")
+def _ppo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+         advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
+         ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip)
+
+
+@POLICY_LOSSES.register("gspo")
+def _gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+          advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
+          ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    return gspo_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
 
 
 # algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).

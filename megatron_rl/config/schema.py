@@ -120,8 +120,11 @@ class LearnerConfig:
 
 @dataclass
 class RolloutConfig:
-    # embedded | vllm
+    # embedded | vllm (a builder in rollout/build.py's ENGINES)
     engine: str = "embedded"
+    # How a prompt becomes its group of trajectories: single_turn (one response per sample; a
+    # coroutine in rollout/workflow.py's WORKFLOWS).
+    workflow: str = "single_turn"
     engines: int = 1
     tp: int = 1
     # colocated | disaggregated

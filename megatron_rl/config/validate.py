@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Any, Iterable
+from typing import Any, Callable, Dict, Iterable, Tuple, Union
 
-from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
-from ..algorithms.policy_loss import LOSS_AGG_MODES
+from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
+from ..algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
 from ..models.families import FAMILY_NAMES, get_family
 from ..models.shared_prefix import unsupported
+from ..rewards.verifiers import REWARDS
+from ..rollout.build import ENGINES
+from ..rollout.workflow import WORKFLOWS
 from .schema import RootConfig
 
 
@@ -16,23 +19,26 @@ class ConfigError(ValueError):
     """A config value that cannot work. The message is one line a user can act on."""
 
 
-ALLOWED = {
+# key -> its values, or a function returning them: a registry's names are read at each check,
+# so a component registered after this module was imported is a valid value.
+ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "model.family": FAMILY_NAMES,
     "model.dtype": ("fp32", "bf16"),
     "model.moe_token_dispatcher": ("alltoall", "allgather"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),
-    "rollout.engine": ("embedded", "vllm"),
+    "rollout.engine": ENGINES.names,
+    "rollout.workflow": WORKFLOWS.names,
     "rollout.placement": ("colocated",),
-    "algo.name": ADVANTAGE_ESTIMATORS + ("gae",),
+    "algo.name": lambda: ADVANTAGE_ESTIMATORS.names() + CRITIC_ESTIMATORS,
     "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.policy_loss": ("decoupled", "ppo", "gspo"),
+    "algo.policy_loss": POLICY_LOSSES.names,
     "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),
     "data.template": ("plain", "qa"),
     "data.tokenizer": ("char", "bpe"),
-    "reward.name": ("reverse_digits", "sort_digits", "gsm8k"),
+    "reward.name": REWARDS.names,
 }
 
 # Values that the design names but this release does not run yet: say so instead of "invalid".
@@ -50,14 +56,21 @@ def _get(cfg: Any, dotted: str) -> Any:
     return obj
 
 
+def allowed(key: str) -> Tuple[str, ...]:
+    """The values config key ``key`` accepts now."""
+    choices = ALLOWED[key]
+    return choices() if callable(choices) else choices
+
+
 def _choice(cfg: Any, key: str) -> None:
     value = _get(cfg, key)
-    if value in ALLOWED[key]:
+    choices = allowed(key)
+    if value in choices:
         return
     hint = NOT_YET.get((key, value))
     if hint:
         raise ConfigError(f"{key}={value!r} is not available yet: {hint}")
-    raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(ALLOWED[key])}")
+    raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(choices)}")
 
 
 def _positive(cfg: Any, keys: Iterable[str], strict: bool = True) -> None:

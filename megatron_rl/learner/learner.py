@@ -13,8 +13,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithms import kl_penalty, ppo_clip_loss
-from ..algorithms.policy_loss import aggregate_loss, decoupled_ppo_loss, gspo_loss
+from ..algorithms import kl_penalty
+from ..algorithms.policy_loss import POLICY_LOSSES, aggregate_loss
 from ..config.schema import RootConfig
 from ..config.validate import ConfigError
 from ..models.gpt import build_gpt_model, model_device
@@ -156,15 +156,7 @@ class Learner:
         mask = mb.loss_mask
         logprobs = token_logprobs(logits, mb.labels, temperature)
         old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
-        if algo.policy_loss == "decoupled":
-            loss, stats = decoupled_ppo_loss(logprobs, old, mb.behav_logprobs, mb.advantages, mask, algo.clip_low,
-                                             algo.clip_high, algo.behav_imp_weight_cap, algo.dual_clip,
-                                             algo.behav_weight_level)
-        elif algo.policy_loss == "gspo":
-            loss, stats = gspo_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high)
-        else:
-            loss, stats = ppo_clip_loss(logprobs, old, mb.advantages, mask, algo.clip_low, algo.clip_high,
-                                        algo.dual_clip)
+        loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logprobs, old, mb.behav_logprobs, mb.advantages, mask, algo)
         entropy = token_entropy(logits, temperature)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy * mask

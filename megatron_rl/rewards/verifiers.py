@@ -1,9 +1,16 @@
-"""Verifiable rewards: pure functions ``(completion_text, target) -> score in [0, 1]``."""
+"""Verifiable rewards: pure functions ``(completion_text, target) -> score in [0, 1]``, registered
+under their ``reward.name`` in REWARDS."""
 
 from __future__ import annotations
 
 import re
-from typing import Callable, Dict
+from typing import Callable
+
+from ..registry import Registry
+
+RewardFn = Callable[[str, str], float]
+# reward.name -> its verifier; the trainer scores every completion with REWARDS[cfg.reward.name].
+REWARDS: Registry[RewardFn] = Registry("reward")
 
 
 def digit_match(completion: str, target: str) -> float:
@@ -37,8 +44,7 @@ def gsm8k_exact(completion: str, target: str) -> float:
         return 0.0
 
 
-REWARDS: Dict[str, Callable[[str, str], float]] = {
-    "reverse_digits": digit_match,
-    "sort_digits": digit_match,
-    "gsm8k": gsm8k_exact,
-}
+# Both digit tasks score by position against the target the data set computed.
+REWARDS.add("reverse_digits", digit_match)
+REWARDS.add("sort_digits", digit_match)
+REWARDS.add("gsm8k", gsm8k_exact)

@@ -1,13 +1,23 @@
-"""Workflows turn a prompt into trajectories by talking to an engine. Single-turn for now."""
+"""Workflows turn a prompt into trajectories by talking to an engine, registered by
+``rollout.workflow`` in WORKFLOWS. Single-turn for now."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import List, Sequence, Tuple
+from typing import TYPE_CHECKING, Awaitable, Callable, List, Sequence, Tuple
 
-from ..data.datasets import Prompt
+from ..registry import Registry
 from ..types import GenerationChunk, SamplingParams, Trajectory
-from .engine import RolloutEngine, whole_response
+from .engine import whole_response
+
+if TYPE_CHECKING:  # for annotations only: config validation imports this module for WORKFLOWS
+    from ..data.datasets import Prompt
+    from .engine import RolloutEngine
+
+# rollout.workflow -> the coroutine function turning one prompt into its group:
+# fn(engine, prompt, params, request_ids) -> one Trajectory per request id, in order.
+GroupWorkflow = Callable[["RolloutEngine", "Prompt", SamplingParams, Sequence[str]], Awaitable[List[Trajectory]]]
+WORKFLOWS: Registry[GroupWorkflow] = Registry("workflow")
 
 
 def _trajectory(prompt: Prompt, index: int, response: GenerationChunk) -> Trajectory:
@@ -21,6 +31,7 @@ async def single_turn(engine: RolloutEngine, prompt: Prompt, index: int, params:
     return _trajectory(prompt, index, await whole_response(engine.generate(request_id, prompt.prompt_ids, params)))
 
 
+@WORKFLOWS.register("single_turn")
 async def single_turn_group(engine: RolloutEngine, prompt: Prompt, params: SamplingParams,
                             request_ids: Sequence[str]) -> List[Trajectory]:
     """One response per request id to one prompt (a group), as ``single_turn`` each."""
@@ -29,7 +40,9 @@ async def single_turn_group(engine: RolloutEngine, prompt: Prompt, params: Sampl
 
 
 async def generate_groups(engine: RolloutEngine, work: Sequence[Tuple[Prompt, int]], params: SamplingParams,
-                          tag: str) -> List[List[Trajectory]]:
-    """``n`` responses to each (prompt, n), all at once; request ids ``{tag}-{uid}-{i}``."""
+                          tag: str, workflow: str = "single_turn") -> List[List[Trajectory]]:
+    """``n`` responses to each (prompt, n), all at once, by ``workflow`` (a WORKFLOWS name);
+    request ids ``{tag}-{uid}-{i}``."""
+    group = WORKFLOWS.get(workflow)
     return list(await asyncio.gather(*(
-        single_turn_group(engine, prompt, params, [f"{tag}-{prompt.uid}-{i}" for i in range(n)]) for prompt, n in work)))
+        group(engine, prompt, params, [f"{tag}-{prompt.uid}-{i}" for i in range(n)]) for prompt, n in work)))

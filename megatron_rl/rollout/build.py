@@ -1,0 +1,51 @@
+"""Rollout engines by ``rollout.engine``: ENGINES maps the name to a builder function.
+
+Each builder imports its engine when it is called, not here: config validation reads the names
+from this module, the embedded engine pulls in Megatron, and vLLM is an optional package."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Callable, Optional
+
+from ..registry import Registry
+
+if TYPE_CHECKING:
+    from ..config.schema import RootConfig
+    from .engine import RolloutEngine
+
+# builder(cfg, vocab, overlap, learner_executor, engine_threads, device_index) -> engine.
+# overlap: rollouts run while the learner trains; learner_executor: the learner's thread;
+# engine_threads: intra-op threads of an engine process; device_index: its GPU (None: default).
+EngineBuilder = Callable[["RootConfig", int, bool, ThreadPoolExecutor, int, Optional[int]], "RolloutEngine"]
+ENGINES: Registry[EngineBuilder] = Registry("engine")
+
+
+@ENGINES.register("embedded")
+def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
+                   engine_threads: int, device_index: Optional[int] = None) -> RolloutEngine:
+    """The learner's Megatron model behind a KV cache: in this process, or in a child process of
+    its own with ``rollout.separate_process`` (on a CPU its decode loop and the learner's step
+    then do not take turns on one interpreter lock)."""
+    from .embedded import EmbeddedEngine, EngineProcess
+
+    r = cfg.rollout
+    if r.separate_process:
+        return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
+                             recompute_kv_on_update=r.recompute_kv_on_update, device_index=device_index)
+    # Without overlap the engine computes on the learner's thread: one thread team for the cores.
+    return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
+                          executor=None if overlap else learner_executor,
+                          recompute_kv_on_update=r.recompute_kv_on_update)
+
+
+@ENGINES.register("vllm")
+def build_vllm(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
+               engine_threads: int, device_index: Optional[int] = None) -> RolloutEngine:
+    """vLLM's AsyncLLM. Its engine core runs in a process of its own; it starts on dummy weights
+    and the trainer pushes the learner's before any rollout."""
+    from .vllm import VLLMEngine
+
+    r = cfg.rollout
+    return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
+                      tp=r.tp)
