@@ -132,6 +132,8 @@ class Trainer:
 
     def __init__(self, cfg: RootConfig, world: Optional[WorldPlacement] = None):
         self.cfg = cfg
+        # A GPU the machine lacks is refused before anything is built or written.
+        device_index = engine_gpu(cfg) if world is None else None
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
         # The learner computes on this thread, bound to this process's device (CUDA's is per thread).
@@ -139,7 +141,6 @@ class Trainer:
                                                    initargs=(model_device(),))
         overlap = cfg.scheduler.max_staleness > 0
         if world is None:
-            device_index = engine_gpu(cfg)
             learner_threads, engine_threads = compute_threads(cfg, overlap)
             if learner_threads:
                 torch.set_num_threads(learner_threads)

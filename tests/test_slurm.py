@@ -58,7 +58,8 @@ def _rows(run_dir: Path):
 def test_dry_run_prints_the_batch_script(tmp_path):
     out = subprocess.run([sys.executable, "-m", "megatron_rl.slurm", "submit", "recipe=tiny_cpu", "nodes=2",
                           "gpus_per_node=8", "partition=gpu", "time=04:00:00", f"trainer.run_dir={tmp_path}",
-                          "algo.group_size=4", "--dry-run"], capture_output=True, text=True, cwd=ROOT)
+                          "algo.group_size=4", "rollout.engines=16", "--dry-run"], capture_output=True, text=True,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr
     script = out.stdout
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",

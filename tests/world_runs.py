@@ -109,13 +109,16 @@ def world_ranks(run_dir: Path) -> List[dict]:
 
 
 def compare_steps(reference: List[dict], got: List[dict], loss_tol: float) -> float:
-    """Rewards equal step for step; losses and grad norms within ``loss_tol``; the worst gap."""
+    """Rewards equal step for step; losses and grad norms (the critic's and the KL charge too,
+    where the run has them) within ``loss_tol``; returns the worst gap."""
     assert [r["step"] for r in got] == [r["step"] for r in reference]
     worst = 0.0
     for a, b in zip(reference, got):
         assert a["reward/mean"] == b["reward/mean"], (a["step"], a["reward/mean"], b["reward/mean"])
         assert a["response/length_mean"] == b["response/length_mean"], a["step"]
-        for key in ("train/loss", "train/grad_norm", "train/entropy"):
+        extra = [k for k in ("critic/value_loss", "critic/grad_norm", "reward/kl_penalty_mean") if k in a]
+        assert all(k in b for k in extra), (set(extra) - set(b))
+        for key in ("train/loss", "train/grad_norm", "train/entropy", *extra):
             gap = abs(a[key] - b[key])
             worst = max(worst, gap)
             assert gap <= loss_tol, (a["step"], key, a[key], b[key])
