@@ -336,8 +336,10 @@ def test_a_hung_engine_is_detected_and_its_requests_fail(megatron_world):
     cfg = _cfg()
 
     async def run():
+        # The timeout must outlast the core's first steps on a loaded 2-core CI box (a probe waits
+        # behind a busy step): 3 s was seen to declare a healthy core hung there.
         engine = VLLMEngine(cfg.model, VOCAB, max_batch_size=8, seed=1, cpu_threads=1,
-                            health_interval_s=0.5, health_timeout_s=3.0)
+                            health_interval_s=0.5, health_timeout_s=10.0)
         pids = engine.engine_pids()
         try:
             stream = engine.generate("r0", [1, 2, 3], SamplingParams(max_new_tokens=200, stream=True))
