@@ -38,9 +38,9 @@ class LearnerGroup:
         try:
             dist.broadcast_object_list([(name, args)], src=DRIVER, group=self.control_group)
             return getattr(self.worker, name)(*args)
+        except LearnerRanksFailed:
+            raise
         except RuntimeError as err:  # torch's DistBackendError (a dead or silent peer) is one
-            if "failed among learner ranks" in str(err):
-                raise
             raise LearnerRanksFailed(f"{name} failed among learner ranks {list(self.ranks)}: {err}".strip()
                                      + " (a rank died or timed out: see its log)") from err
 
