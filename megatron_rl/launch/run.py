@@ -47,6 +47,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..data.build import build_data
     from ..models.pretrained import vocab_size_for
     from ..trainer import seed_everything
+
     lc = cfg.learner
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
     colocated = plan.layout.placement == "colocated"
