@@ -29,12 +29,27 @@ ROOT = Path(__file__).resolve().parents[1]
      "rollout.device=cuda:1 is for the single-process trainer"),
     (["rollout.engine=vllm"], True, "rollout.engine=vllm is not available yet in the torchrun world"),
     (["algo.kl_in_reward=true"], False, "algo.kl_in_reward=true needs algo.kl_coef > 0"),
+    (["algo.nme=grpo"], False, "Could not override 'algo.nme'"),
+    (["model.moe_layer_pattern=[1]"], False, "model.moe_layer_pattern has 1 entries; it needs one per layer"),
+    (["model.family=deepseek_v3", "model.num_experts=4"], False,
+     "model.family=deepseek_v3 uses multi-head latent attention: set model.kv_lora_rank"),
+    (["data.distinct_digits=true", "data.max_digits=12"], False, "exceeds the 10 distinct symbols of data.digits"),
+    (["data.min_digits=6"], False, "data.max_digits=5 must be >= data.min_digits=6"),
+    (["algo.dual_clip=0.5"], False, "algo.dual_clip=0.5 must be > 1 (e.g. 3), or 0 to disable"),
+    (["model.path=/nonexistent/ckpt"], False, "model.path='/nonexistent/ckpt' is not a directory"),
 ])
 def test_config_error_text(overrides, distributed, message):
     with pytest.raises(ConfigError) as info:
         load_config("tiny_cpu", overrides, distributed=distributed)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_model_path_that_is_no_checkpoint(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_cpu", [f"model.path={tmp_path}"])
+    assert str(info.value) == (f"model.path={str(tmp_path)!r}: {tmp_path} is neither a Hugging Face directory "
+                               "(config.json) nor a Megatron dist checkpoint (metadata.json)")
 
 
 def test_unknown_key_in_a_recipe():
@@ -46,6 +61,29 @@ def test_unknown_key_in_a_recipe():
         to_dataclass(OmegaConf.create({"algo": {"nme": "grpo"}}))
     assert str(info.value) == ("unknown config key 'algo.nme': check the spelling against "
                                "megatron_rl/config/schema.py")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[1, 2]", "train.jsonl:1: expected a JSON object, got list"),
+    ('{"question": "", "answer": "1"}', "train.jsonl:1: field 'question' must be a non-empty string"),
+    ("", "train.jsonl: no rows"),
+])
+def test_dataset_row_error_text(tmp_path, line, message):
+    from megatron_rl.data.datasets import DatasetError, read_jsonl
+
+    (tmp_path / "train.jsonl").write_text(line + "\n")
+    with pytest.raises(DatasetError) as info:
+        read_jsonl(str(tmp_path / "train.jsonl"), ["question", "answer"])
+    assert str(info.value).endswith(message)
+
+
+def test_slurm_argument_error_text():
+    from megatron_rl.slurm.__main__ import parse
+
+    with pytest.raises(ValueError, match="unexpected argument 'tiny_cpu'; arguments are key=value"):
+        parse(["tiny_cpu"])
+    with pytest.raises(ValueError, match="nodes and procs_per_node must be >= 1 and gpus_per_node >= 0"):
+        parse(["nodes=0"])
 
 
 def test_every_prompt_too_long(tmp_path):
@@ -74,7 +112,7 @@ def test_no_loadable_checkpoint(tmp_path):
 def test_conversion_error_texts(tmp_path):
     from safetensors.torch import save_file
 
-    from megatron_rl.models.convert import load_megatron_weights
+    from megatron_rl.models.convert import load_megatron_weights, read_model_config
     from megatron_rl.models.hf_checkpoint import ConversionError, HFTensorReader, _check_dtype
 
     save_file({"a": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
@@ -85,6 +123,12 @@ def test_conversion_error_texts(tmp_path):
         _check_dtype("w", torch.zeros(2, dtype=torch.int8))
     assert str(info.value) == "tensor 'w' has dtype int8: quantized weights must be dequantized to bf16/fp32 first"
     with pytest.raises(ConversionError) as info:
+        HFTensorReader(tmp_path / "empty")
+    assert str(info.value) == f"no *.safetensors files in {tmp_path / 'empty'}"
+    with pytest.raises(ConversionError) as info:
+        read_model_config(tmp_path)
+    assert "has neither model_config.json nor a run's config.yaml two levels up" in str(info.value)
+    with pytest.raises(ConversionError) as info:
         load_megatron_weights(None, tmp_path)
     assert str(info.value) == f"{tmp_path} is not a Megatron dist checkpoint (no metadata.json)"
 
@@ -94,6 +138,7 @@ def test_conversion_refuses_a_non_empty_output(tmp_path):
 
     from megatron_rl.models.convert import hf_to_megatron_checkpoint
     from megatron_rl.models.hf_checkpoint import ConversionError
+    from megatron_rl.models.hf_config import UnsupportedConfigError
 
     (tmp_path / "hf").mkdir()
     config = {**hf_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]}
@@ -103,6 +148,14 @@ def test_conversion_refuses_a_non_empty_output(tmp_path):
     with pytest.raises(ConversionError) as info:
         hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out")
     assert str(info.value) == f"output directory {tmp_path / 'out'} is not empty"
+    with pytest.raises(ConversionError) as info:
+        hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out2", dtype="fp16")
+    assert str(info.value) == "fp16 Megatron models are not built here; use --dtype bf16 or fp32"
+    del config["architectures"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedConfigError) as info:
+        hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out3")
+    assert str(info.value) == "config.json has no 'architectures' entry; cannot tell the model family"
 
 
 def test_learner_ranks_failed_text(tmp_path):
