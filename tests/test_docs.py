@@ -88,3 +88,21 @@ def test_no_development_diary_in_user_facing_text():
                            cwd=ROOT, capture_output=True, text=True)
     assert found.returncode in (0, 1), found.stderr
     assert found.stdout == "", found.stdout
+
+
+def test_doc_images_window_and_reward_curve():
+    import xml.dom.minidom
+
+    import doc_images
+
+    spans = [{"name": "train", "start": float(i), "end": i + 0.5} for i in range(10)]
+    spans += [{"name": "generate", "start": i + 0.2, "end": i + 1.1} for i in range(10)]
+    shown = doc_images.window(spans, steps=2)
+    assert min(s["start"] for s in shown) == 4.0 and max(s["end"] for s in shown) == 5.5
+    assert [s for s in shown if s["name"] == "train"] == spans[4:6]
+    svg = doc_images.reward_svg(list(range(1, 101)), [i / 100 for i in range(100)])
+    xml.dom.minidom.parseString(svg)  # well-formed
+    assert svg.count("<polyline") == 2
+    for name in ("timeline.svg", "reward.svg"):
+        image = ROOT / "docs" / "images" / name
+        assert image.is_file() and image.stat().st_size < 200_000, f"{name}: remake with python tools/doc_images.py"

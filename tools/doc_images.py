@@ -32,12 +32,13 @@ def run_tiny_cpu(run_dir: Path, overrides: Sequence[str]) -> None:
     subprocess.run(cmd, cwd=ROOT, check=True)
 
 
-def window(spans: List[Dict], start_fraction: float, seconds: float) -> List[Dict]:
-    """The spans overlapping a window that starts at ``start_fraction`` of the run, clipped to it."""
-    t0 = min(s["start"] for s in spans)
-    t1 = max(s["end"] for s in spans)
-    lo = t0 + start_fraction * (t1 - t0)
-    hi = min(lo + seconds, t1)
+def window(spans: List[Dict], steps: int) -> List[Dict]:
+    """The spans overlapping ``steps`` consecutive training steps in the middle of the run, clipped
+    to them (a window in steps, not seconds, so a slow machine draws the same picture)."""
+    trains = sorted((s for s in spans if s["name"] == "train"), key=lambda s: s["start"])
+    first = trains[max(0, len(trains) // 2 - steps // 2)]
+    last = trains[min(len(trains) - 1, trains.index(first) + steps - 1)]
+    lo, hi = first["start"], last["end"]
     return [{**s, "start": max(s["start"], lo), "end": min(s["end"], hi)}
             for s in spans if s["end"] > lo and s["start"] < hi]
 
@@ -75,7 +76,7 @@ def reward_svg(steps: List[int], rewards: List[float], width: int = 720, height:
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, help="a finished tiny_cpu run directory (default: run one)")
-    parser.add_argument("--window-s", type=float, default=3.0, help="seconds of the run the timeline shows")
+    parser.add_argument("--steps", type=int, default=6, help="training steps the timeline shows")
     parser.add_argument("overrides", nargs="*", help="config overrides for the tiny_cpu run")
     args = parser.parse_args(argv or None)
     run_dir = args.run_dir
@@ -85,7 +86,10 @@ def main(argv: Sequence[str] = ()) -> int:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     IMAGES.mkdir(parents=True, exist_ok=True)
     (IMAGES / "reward.svg").write_text(reward_svg([r["step"] for r in rows], [r["reward/mean"] for r in rows]))
-    (IMAGES / "timeline.svg").write_text(render(window(load_spans(run_dir), 0.5, args.window_s), width=900))
+    timeline = render(window(load_spans(run_dir), args.steps), width=900)
+    # An opaque background, so the labels read on a dark page too.
+    head, _, rest = timeline.partition(">")
+    (IMAGES / "timeline.svg").write_text(f'{head}>\n<rect width="100%" height="100%" fill="white"/>{rest}')
     for name in ("timeline.svg", "reward.svg"):
         print(f"wrote docs/images/{name} ({(IMAGES / name).stat().st_size / 1024:.0f} KB)")
     return 0
