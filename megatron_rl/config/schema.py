@@ -18,25 +18,36 @@ class ModelConfig:
     family: str = "llama"
     # Hugging Face or Megatron checkpoint to start from; None builds a random-init model.
     path: Optional[str] = None
+    # Transformer layers (random-init models; with model.path the checkpoint's).
     num_layers: int = 2
+    # Width of the residual stream.
     hidden_size: int = 64
+    # Query heads per attention layer.
     num_attention_heads: int = 4
+    # Key/value heads (grouped-query attention); equal to num_attention_heads for plain multi-head.
     num_query_groups: int = 2
+    # Hidden size of the dense MLP (SwiGLU).
     ffn_hidden_size: int = 128
+    # Longest sequence (prompt + response) the model and the engine's KV cache hold.
     max_position_embeddings: int = 64
     # Size of one attention head; None: hidden_size / num_attention_heads (Qwen3 sets it apart).
     head_dim: Optional[int] = None
+    # RoPE base frequency (theta).
     rotary_base: float = 10000.0
     # Llama 3.x RoPE frequency scaling factor (low/high frequency factors 1/4, original context 8192);
     # None: plain RoPE.
     rope_scaling_factor: Optional[float] = None
+    # Epsilon of the RMSNorm layers.
     norm_epsilon: float = 1e-6
+    # Share the input embedding with the output projection.
     tie_word_embeddings: bool = False
+    # Standard deviation of the random weight initialisation.
     init_method_std: float = 0.02
-    # fp32 | bf16
+    # Precision of parameters and compute: fp32 | bf16.
     dtype: str = "fp32"
     # Mixture of experts: 0 keeps a dense MLP in every layer.
     num_experts: int = 0
+    # Experts each token is routed to.
     moe_router_topk: int = 2
     # Hidden size of one routed expert; None uses ffn_hidden_size (Mixtral).
     moe_ffn_hidden_size: Optional[int] = None
@@ -57,47 +68,72 @@ class ModelConfig:
     # choice, experts chosen within the best moe_router_group_topk of moe_router_num_groups groups,
     # weights renormalised then scaled by moe_router_topk_scaling_factor).
     moe_router_score_function: str = "softmax"
+    # Per-expert score-correction bias that steers the choice only (DeepSeek-V3).
     moe_router_expert_bias: bool = False
+    # Expert groups for group-limited routing (DeepSeek-V3); null: no groups.
     moe_router_num_groups: Optional[int] = None
+    # Groups a token's experts may come from (DeepSeek-V3); null: all.
     moe_router_group_topk: Optional[int] = None
+    # Factor on the renormalised routing weights (DeepSeek-V3); null: 1.
     moe_router_topk_scaling_factor: Optional[float] = None
     # Multi-head latent attention (DeepSeek-V3), used when kv_lora_rank is set; q_lora_rank None
     # projects queries directly.
     q_lora_rank: Optional[int] = None
+    # Latent size of the compressed keys/values; setting it turns on multi-head latent attention.
     kv_lora_rank: Optional[int] = None
+    # MLA: per-head query/key dimensions without rotary embedding.
     qk_nope_head_dim: int = 128
+    # MLA: per-head query/key dimensions with rotary embedding.
     qk_rope_head_dim: int = 64
+    # MLA: per-head value dimension.
     v_head_dim: int = 128
     # YaRN RoPE (DeepSeek-V3); yarn_factor None: plain RoPE.
     yarn_factor: Optional[float] = None
+    # YaRN: the context length the model was pre-trained at.
     yarn_original_max_position_embeddings: int = 4096
+    # YaRN: high-frequency boundary of the interpolation ramp.
     yarn_beta_fast: float = 32.0
+    # YaRN: low-frequency boundary of the interpolation ramp.
     yarn_beta_slow: float = 1.0
+    # YaRN: attention-temperature scale.
     yarn_mscale: float = 1.0
+    # YaRN: attention-temperature scale applied over all dimensions (DeepSeek-V3).
     yarn_mscale_all_dim: float = 0.0
 
 
 @dataclass
 class LearnerConfig:
+    # Tensor-parallel size of the learner (torchrun world only; one process needs 1).
     tp: int = 1
+    # Pipeline-parallel size of the learner (torchrun world only).
     pp: int = 1
+    # Expert-parallel size of the learner, for MoE models (torchrun world only).
     ep: int = 1
+    # Context-parallel size of the learner; > 1 needs TransformerEngine (CUDA).
     cp: int = 1
     # Derived from the world size when omitted.
     dp: Optional[int] = None
+    # Peak learning rate of the policy.
     lr: float = 1e-3
+    # Steps of linear warm-up from 0 to lr.
     lr_warmup_steps: int = 0
     # After warm-up: constant | linear | cosine, from lr down to min_lr at trainer.total_steps.
     lr_decay_style: str = "constant"
+    # Learning rate at the end of the decay.
     min_lr: float = 0.0
     # The step where the decay reaches min_lr, if not trainer.total_steps (Megatron's
     # --lr-decay-iters): a run continued past it, or a longer run that must follow a shorter
     # one's schedule step for step, stays at min_lr from there.
     lr_decay_steps: Optional[int] = None
+    # AdamW weight decay.
     weight_decay: float = 0.0
+    # AdamW beta1.
     adam_beta1: float = 0.9
+    # AdamW beta2.
     adam_beta2: float = 0.999
+    # AdamW epsilon.
     adam_eps: float = 1e-8
+    # Gradient-norm clip; 0 disables.
     clip_grad: float = 1.0
     # Token budget of one micro-batch (prompt + response tokens, padding included).
     micro_batch_tokens: int = 4096
@@ -114,7 +150,10 @@ class LearnerConfig:
     share_prompts: bool = False
     # PPO epochs over each batch (mini-batches split the batch into optimizer steps).
     ppo_epochs: int = 1
+    # Optimizer steps per batch per epoch: the batch's groups are split into this many mini-batches
+    # (must divide algo.groups_per_batch).
     mini_batches: int = 1
+    # Shard optimizer state over data-parallel ranks (Megatron's DistributedOptimizer).
     use_distributed_optimizer: bool = False
 
 
@@ -125,14 +164,20 @@ class RolloutConfig:
     # How a prompt becomes its group of trajectories: single_turn (one response per sample; a
     # coroutine in rollout/workflow.py's WORKFLOWS).
     workflow: str = "single_turn"
+    # Rollout engines (torchrun world only; one process runs one).
     engines: int = 1
+    # Tensor-parallel size of each engine (the embedded engine runs at 1).
     tp: int = 1
-    # colocated | disaggregated
+    # colocated (every learner rank also hosts an engine) | disaggregated (engines on ranks of their
+    # own; torchrun world only).
     placement: str = "colocated"
+    # Sampling temperature; the recorded logprobs are of the tempered distribution.
     temperature: float = 1.0
+    # Nucleus sampling threshold in (0, 1]; 1 disables.
     top_p: float = 1.0
     # 0 disables top-k.
     top_k: int = 0
+    # Longest response, in tokens.
     max_new_tokens: int = 16
     # Largest decode batch of the embedded engine.
     max_batch_size: int = 256
@@ -169,6 +214,7 @@ class SchedulerConfig:
     # η: how many policy versions a trained sample may lag behind. 0 is the synchronous
     # on-policy loop: one batch generated per version, trained, published.
     max_staleness: int = 0
+    # Most groups generating at once, whatever the staleness bound allows.
     max_concurrent_rollouts: int = 1024
     # Groups running or waiting to be trained, in batches (algo.groups_per_batch each): 2 lets the
     # engine fill one batch while the learner's next is finishing (a long response does not stall
@@ -185,10 +231,13 @@ class AlgoConfig:
     # reinforce_pp_baseline (group mean subtracted first) | gae (PPO with a critic: per-token
     # GAE advantages from a Megatron value model trained alongside, see `critic`).
     name: str = "grpo"
+    # Samples (responses) per prompt; group-relative estimators need >= 2.
     group_size: int = 8
     # Groups (prompts) per training batch; each contributes group_size samples.
     groups_per_batch: int = 16
+    # PPO clip below: the ratio is clipped at 1 - clip_low.
     clip_low: float = 0.2
+    # PPO clip above: the ratio is clipped at 1 + clip_high (clip-higher when > clip_low).
     clip_high: float = 0.2
     # decoupled: trust region around the learner's proximal policy, importance-weighted against
     # the behaviour policy that sampled (right for stale samples); ppo: plain clipped surrogate;
@@ -200,6 +249,8 @@ class AlgoConfig:
     # the batch is full (counted in queue/filtered_total); the run stops after
     # filter_max_batches batches' worth of groups in a row are filtered.
     filter_groups: bool = False
+    # With filter_groups: stop the run after this many batches' worth of groups in a row were filtered
+    # out.
     filter_max_batches: int = 20
     # Tokens with π_prox/π_behav above this are left out of the loss (0 disables the cap).
     behav_imp_weight_cap: float = 5.0
@@ -212,15 +263,19 @@ class AlgoConfig:
     loss_agg_mode: str = "token-mean"
     # Divide group-centred rewards by the group std (GRPO); False gives Dr.GRPO-style centring.
     normalize_adv_by_std: bool = True
+    # Added to the group std before dividing by it.
     adv_eps: float = 1e-6
+    # Weight of the KL penalty to the frozen initial policy; 0 disables it (and the reference model).
     kl_coef: float = 0.0
-    # k1 | k2 | k3
+    # Estimator of the KL to the initial policy: k1 | k2 | k3 (Schulman's approximations).
     kl_estimator: str = "k3"
     # Charge the KL to each sequence's reward (before advantages) instead of adding it to the loss.
     kl_in_reward: bool = False
+    # Weight of the entropy bonus; 0 disables.
     entropy_coef: float = 0.0
     # GAE (algo.name=gae): discount and λ; the outcome reward arrives at the last response token.
     gamma: float = 1.0
+    # GAE lambda (algo.name=gae).
     lam: float = 1.0
     # Whiten GAE advantages over the batch's trained tokens.
     gae_whiten: bool = True
@@ -240,15 +295,20 @@ class CriticConfig:
 
 @dataclass
 class DataConfig:
-    # reverse_digits | sort_digits | gsm8k | jsonl
+    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | gsm8k | jsonl (a JSONL file
+    # at data.path).
     name: str = "reverse_digits"
     # JSONL file for gsm8k / jsonl datasets.
     path: Optional[str] = None
+    # JSONL field holding the prompt (data.name=jsonl).
     prompt_key: str = "question"
+    # JSONL field holding the reference answer.
     answer_key: str = "answer"
     # Synthetic tasks: digit-string lengths (inclusive) and alphabet.
     min_digits: int = 3
+    # Synthetic tasks: longest digit string (inclusive).
     max_digits: int = 5
+    # Synthetic tasks: the alphabet digit strings are drawn from.
     digits: str = "0123456789"
     # Draw each string's digits without repetition (every digit appears at most once).
     distinct_digits: bool = False
@@ -259,14 +319,18 @@ class DataConfig:
     template: str = "plain"
     # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)
     tokenizer: str = "char"
+    # Vocabulary size of the BPE tokenizer trained on the dataset (data.tokenizer=bpe).
     bpe_vocab_size: int = 4096
+    # Longest prompt in tokens; longer dataset rows are skipped.
     max_prompt_tokens: int = 48
+    # Shuffle the prompt order each pass (seeded by trainer.seed).
     shuffle: bool = True
 
 
 @dataclass
 class RewardConfig:
-    # reverse_digits | sort_digits | gsm8k
+    # The verifier that scores a response: reverse_digits | sort_digits | gsm8k (the number after
+    # `####`); any name registered in rewards/verifiers.py's REWARDS.
     name: str = "reverse_digits"
     # Seconds one completion's score may take. A group is scored in one worker call, which is hung
     # when no completion finishes for this long: that one scores 0 (counted), the rest go on.
@@ -276,25 +340,34 @@ class RewardConfig:
     # DAPO's soft overlong penalty: the last overlong_buffer tokens before rollout.max_new_tokens
     # cost up to overlong_penalty (linearly); 0 disables.
     overlong_buffer: int = 0
+    # Largest overlong penalty, reached at rollout.max_new_tokens (with overlong_buffer > 0).
     overlong_penalty: float = 1.0
 
 
 @dataclass
 class TrainerConfig:
+    # Training steps (policy updates) of the run.
     total_steps: int = 100
+    # Seed of every random stream (data order, sampling, initialisation).
     seed: int = 1234
     # Defaults to runs/<recipe>/<timestamp>.
     run_dir: Optional[str] = None
+    # Name of the recipe the config came from (set by the launcher; names the default run_dir).
     recipe: str = "custom"
+    # Write a checkpoint every this many steps; 0: only the final one.
     checkpoint_interval: int = 0
+    # Checkpoints kept in run_dir/checkpoints; older ones are deleted.
     checkpoint_keep: int = 2
     # Continue from the newest loadable checkpoint in run_dir, if there is one (an unreadable newer
     # one is skipped with a warning). Give the same trainer.run_dir to pick a run up again.
     resume: bool = True
+    # Write a checkpoint after the last step.
     save_final_checkpoint: bool = True
     # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf).
     export_hf: bool = False
+    # Write a few decoded responses to samples.jsonl every this many steps.
     log_interval: int = 1
+    # Show a progress bar on a terminal.
     progress: bool = True
     # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the
     # learner and the engine each get half, so their compute threads do not fight over cores.

@@ -134,7 +134,8 @@ def pretrained_model_config(path: Path | str, dtype: str) -> Tuple[ModelConfig, 
     if is_megatron_dir(path):
         cfg, vocab, _ = read_model_config(path)
         return dataclasses.replace(cfg, dtype=dtype), vocab
-    raise ConversionError(f"model.path={str(path)!r} is neither a Hugging Face directory (config.json) "
+    # Callers name the key (model.path): the message says what the directory lacks.
+    raise ConversionError(f"{path} is neither a Hugging Face directory (config.json) "
                           "nor a Megatron dist checkpoint (metadata.json)")
 
 

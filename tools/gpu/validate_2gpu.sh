@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 8 on a machine with 2 GPUs, in one go (one device call): every figure and its log under $OUT.
+# The 2-GPU checks (NCCL tests, weight sync, placement), in one go (one device call): every figure and its log under $OUT.
 #   1. the multi-rank equivalence tests over NCCL, one GPU per rank (TP=2, PP=2, DP=2, EP=2 vs one
 #      GPU; cases needing more ranks than GPUs skip with the reason);
 #   2. weight sync over NCCL: a TP=1 learner on cuda:0 -> an engine on cuda:1, Qwen2-1.5B shape,

@@ -1,0 +1,178 @@
+"""Each one-line error listed in docs/troubleshooting.md, produced and its text checked (the
+cheap ones here: config, data, resume, conversion and learner-rank failures; the rest in the
+tests of their own module). tests/test_docs.py checks that every listed fragment is in a test."""
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("overrides, distributed, message", [
+    (["learner.tp=2"], False, "learner.tp=2 is not available yet in one process"),
+    (["rollout.engines=2"], False, "rollout.engines=2 is not available yet in one process"),
+    (["rollout.placement=disaggregated"], False, "rollout.placement='disaggregated' is not available yet"),
+    (["algo.group_size=1"], False, "algo.group_size=1 must be >= 2: group-relative advantages"),
+    (["learner.mini_batches=3"], False, "learner.mini_batches=3 must divide algo.groups_per_batch=16"),
+    (["data.name=jsonl"], False, "data.path is required for data.name=jsonl"),
+    (["scheduler.max_ahead_batches=0.5"], False, "is less than one batch, so no batch could ever fill"),
+    (["rollout.device=cuda:0"], False, "rollout.device=cuda:0 places the embedded engine's own process"),
+    (["rollout.device=cuda:1", "rollout.separate_process=true"], True,
+     "rollout.device=cuda:1 is for the single-process trainer"),
+    (["rollout.engine=vllm"], True, "rollout.engine=vllm is not available yet in the torchrun world"),
+    (["algo.kl_in_reward=true"], False, "algo.kl_in_reward=true needs algo.kl_coef > 0"),
+    (["algo.nme=grpo"], False, "Could not override 'algo.nme'"),
+    (["model.moe_layer_pattern=[1]"], False, "model.moe_layer_pattern has 1 entries; it needs one per layer"),
+    (["model.family=deepseek_v3", "model.num_experts=4"], False,
+     "model.family=deepseek_v3 uses multi-head latent attention: set model.kv_lora_rank"),
+    (["data.distinct_digits=true", "data.max_digits=12"], False, "exceeds the 10 distinct symbols of data.digits"),
+    (["data.min_digits=6"], False, "data.max_digits=5 must be >= data.min_digits=6"),
+    (["algo.dual_clip=0.5"], False, "algo.dual_clip=0.5 must be > 1 (e.g. 3), or 0 to disable"),
+    (["model.path=/nonexistent/ckpt"], False, "model.path='/nonexistent/ckpt' is not a directory"),
+])
+def test_config_error_text(overrides, distributed, message):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_cpu", overrides, distributed=distributed)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_model_path_that_is_no_checkpoint(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny_cpu", [f"model.path={tmp_path}"])
+    assert str(info.value) == (f"model.path={str(tmp_path)!r}: {tmp_path} is neither a Hugging Face directory "
+                               "(config.json) nor a Megatron dist checkpoint (metadata.json)")
+
+
+def test_unknown_key_in_a_recipe():
+    from omegaconf import OmegaConf
+
+    from megatron_rl.config.load import to_dataclass
+
+    with pytest.raises(ConfigError) as info:
+        to_dataclass(OmegaConf.create({"algo": {"nme": "grpo"}}))
+    assert str(info.value) == ("unknown config key 'algo.nme': check the spelling against "
+                               "megatron_rl/config/schema.py")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("[1, 2]", "train.jsonl:1: expected a JSON object, got list"),
+    ('{"question": "", "answer": "1"}', "train.jsonl:1: field 'question' must be a non-empty string"),
+    ("", "train.jsonl: no rows"),
+])
+def test_dataset_row_error_text(tmp_path, line, message):
+    from megatron_rl.data.datasets import DatasetError, read_jsonl
+
+    (tmp_path / "train.jsonl").write_text(line + "\n")
+    with pytest.raises(DatasetError) as info:
+        read_jsonl(str(tmp_path / "train.jsonl"), ["question", "answer"])
+    assert str(info.value).endswith(message)
+
+
+def test_slurm_argument_error_text():
+    from megatron_rl.slurm.__main__ import parse
+
+    with pytest.raises(ValueError, match="unexpected argument 'tiny_cpu'; arguments are key=value"):
+        parse(["tiny_cpu"])
+    with pytest.raises(ValueError, match="nodes and procs_per_node must be >= 1 and gpus_per_node >= 0"):
+        parse(["nodes=0"])
+
+
+def test_every_prompt_too_long(tmp_path):
+    from megatron_rl.data.datasets import DatasetError, JsonlPrompts
+    from megatron_rl.data.build import build_tokenizer
+
+    path = tmp_path / "train.jsonl"
+    path.write_text('{"question": "a long question indeed", "answer": "1"}\n')
+    tokenizer = build_tokenizer(load_config("tiny_cpu"))
+    with pytest.raises(DatasetError) as info:
+        JsonlPrompts(str(path), tokenizer, "question", "answer", "plain", max_prompt_tokens=4, seed=0)
+    assert str(info.value) == f"{path}: every prompt exceeds data.max_prompt_tokens=4"
+
+
+def test_no_loadable_checkpoint(tmp_path):
+    from megatron_rl.checkpoint.resume import ResumeError, load_newest_good
+
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / "trainer_state.json").write_text("{")
+    with pytest.raises(ResumeError) as info:
+        load_newest_good(tmp_path, lambda path: {})
+    assert f"no checkpoint under {tmp_path} can be loaded" in str(info.value)
+    assert "trainer.resume=false" in str(info.value)
+
+
+def test_conversion_error_texts(tmp_path):
+    from safetensors.torch import save_file
+
+    from megatron_rl.models.convert import load_megatron_weights, read_model_config
+    from megatron_rl.models.hf_checkpoint import ConversionError, HFTensorReader, _check_dtype
+
+    save_file({"a": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ConversionError) as info:
+        HFTensorReader(tmp_path).get("b")
+    assert str(info.value) == f"tensor 'b' is missing from {tmp_path}"
+    with pytest.raises(ConversionError) as info:
+        _check_dtype("w", torch.zeros(2, dtype=torch.int8))
+    assert str(info.value) == "tensor 'w' has dtype int8: quantized weights must be dequantized to bf16/fp32 first"
+    with pytest.raises(ConversionError) as info:
+        HFTensorReader(tmp_path / "empty")
+    assert str(info.value) == f"no *.safetensors files in {tmp_path / 'empty'}"
+    with pytest.raises(ConversionError) as info:
+        read_model_config(tmp_path)
+    assert "has neither model_config.json nor a run's config.yaml two levels up" in str(info.value)
+    with pytest.raises(ConversionError) as info:
+        load_megatron_weights(None, tmp_path)
+    assert str(info.value) == f"{tmp_path} is not a Megatron dist checkpoint (no metadata.json)"
+
+
+def test_conversion_refuses_a_non_empty_output(tmp_path):
+    from hf_helpers import hf_config
+
+    from megatron_rl.models.convert import hf_to_megatron_checkpoint
+    from megatron_rl.models.hf_checkpoint import ConversionError
+    from megatron_rl.models.hf_config import UnsupportedConfigError
+
+    (tmp_path / "hf").mkdir()
+    config = {**hf_config("llama").to_dict(), "architectures": ["LlamaForCausalLM"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("x")
+    with pytest.raises(ConversionError) as info:
+        hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out")
+    assert str(info.value) == f"output directory {tmp_path / 'out'} is not empty"
+    with pytest.raises(ConversionError) as info:
+        hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out2", dtype="fp16")
+    assert str(info.value) == "fp16 Megatron models are not built here; use --dtype bf16 or fp32"
+    del config["architectures"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedConfigError) as info:
+        hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out3")
+    assert str(info.value) == "config.json has no 'architectures' entry; cannot tell the model family"
+
+
+def test_learner_ranks_failed_text(tmp_path):
+    """A call that fails inside the learner ranks' collective surfaces as one line naming it."""
+    script = textwrap.dedent(f"""
+        import torch.distributed as dist
+        from megatron_rl.learner.group import LearnerGroup, LearnerRanksFailed
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        class Worker:
+            def train(self):
+                raise RuntimeError("peer rank 1 closed the connection")
+        try:
+            LearnerGroup(Worker(), dist.new_group([0]), ranks=[0, 1]).call("train")
+        except LearnerRanksFailed as err:
+            print(err)
+        dist.destroy_process_group()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.stdout.strip() == ("train failed among learner ranks [0, 1]: peer rank 1 closed the connection "
+                                  "(a rank died or timed out: see its log)"), out.stderr[-2000:]
