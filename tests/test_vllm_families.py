@@ -84,7 +84,7 @@ def test_family_rolls_out_on_vllm_with_the_learners_logprobs(megatron_world, fam
             updated = _learner(family, seed=6)  # new weights, pushed as version 1 by broadcast
             await engine.pause()
             if moe:
-                with pytest.raises(EngineError, match="cannot update the weights of a mixture-of-experts"):
+                with pytest.raises(EngineError, match="cannot update the weights of a mixture-of-experts model in place"):
                     await engine.update_weights(updated.export_hf_weights(), version=1)
                 return at_start, None, None
             await engine.update_weights(updated.export_hf_weights(), version=1)
