@@ -35,8 +35,8 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
-    "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),
-    "data.template": ("plain", "qa"),
+    "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
+    "data.template": ("plain", "qa", "math"),
     "data.tokenizer": ("char", "bpe"),
     "reward.name": REWARDS.names,
 }
@@ -202,7 +202,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     if cfg.learner.share_prompts and (reasons := unsupported(m, cfg.learner)):
         raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
                           + ": set learner.share_prompts=false")
-    if d.name in ("gsm8k", "jsonl") and not d.path:
+    if d.name in ("gsm8k", "math500", "jsonl") and not d.path:
         raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl")
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens
     if needed > m.max_position_embeddings:
@@ -211,6 +211,14 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
     _engine_device(cfg, distributed)
+    if cfg.reward.fn:
+        from ..plugins import PluginError
+        from ..rewards.user import load_user_reward
+
+        try:  # import it now: a wrong path or signature is one line before anything starts
+            load_user_reward(cfg.reward.fn)
+        except PluginError as err:
+            raise ConfigError(str(err)) from None
     if distributed and cfg.rollout.engine == "vllm":
         raise ConfigError("rollout.engine=vllm is not available yet in the torchrun world (its engines are "
                           "embedded ones): use rollout.engine=embedded there, or vLLM in one process "

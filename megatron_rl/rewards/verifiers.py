@@ -7,6 +7,7 @@ import re
 from typing import Callable
 
 from ..registry import Registry
+from .math_verifier import math_equal
 
 RewardFn = Callable[[str, str], float]
 # reward.name -> its verifier; the trainer scores every completion with REWARDS[cfg.reward.name].
@@ -48,3 +49,5 @@ def gsm8k_exact(completion: str, target: str) -> float:
 REWARDS.add("reverse_digits", digit_match)
 REWARDS.add("sort_digits", digit_match)
 REWARDS.add("gsm8k", gsm8k_exact)
+# MATH-style answers (boxed LaTeX, fractions, intervals, units) through math-verify.
+REWARDS.add("math", math_equal)
