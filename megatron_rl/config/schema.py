@@ -261,7 +261,8 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     # reverse_digits | sort_digits | gsm8k (the number after '####') | math (math-verify
-    # equivalence of the last \boxed{} answer); a name registered in rewards/verifiers.py's REWARDS.
+    # equivalence of the last \boxed{} answer) | code (the program passes the target's JSON test
+    # cases in the sandbox); a name registered in rewards/verifiers.py's REWARDS.
     name: str = "reverse_digits"
     # A reward of your own by import path, package.module:function, used instead of reward.name:
     # called as fn(completion, target) (plain or async def), returning a float or a dict with a

@@ -54,8 +54,8 @@ def reward_value(value: Any, spec: str) -> float:
     if isinstance(reward, bool) or not isinstance(reward, (int, float)):
         shown = repr(reward)
         shown = shown[:60] + "..." if len(shown) > 60 else shown
-        where = "its 'reward'" if isinstance(value, dict) else "it"
-        raise PluginError(f"reward.fn={spec!r} returned {type(reward).__name__} {shown} ({where}); return a float "
+        what = "a dict whose 'reward' is " if isinstance(value, dict) else ""
+        raise PluginError(f"reward.fn={spec!r} returned {what}{type(reward).__name__} {shown}; return a float "
                           "or a dict with a float 'reward'")
     return float(reward)  # NaN and inf are the pool's to count, like any failed score
 

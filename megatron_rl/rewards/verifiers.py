@@ -7,6 +7,7 @@ import re
 from typing import Callable
 
 from ..registry import Registry
+from .code import code_tests
 from .math_verifier import math_equal
 
 RewardFn = Callable[[str, str], float]
@@ -51,3 +52,5 @@ REWARDS.add("sort_digits", digit_match)
 REWARDS.add("gsm8k", gsm8k_exact)
 # MATH-style answers (boxed LaTeX, fractions, intervals, units) through math-verify.
 REWARDS.add("math", math_equal)
+# Programs against stdin/stdout test cases (a JSON list) in the code sandbox.
+REWARDS.add("code", code_tests)
