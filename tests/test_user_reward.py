@@ -4,10 +4,8 @@ signature or return value is one clear line; the code reward judges programs in 
 import asyncio
 import json
 import re
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +16,6 @@ from megatron_rl.rewards import RewardRunner
 from megatron_rl.rewards.code import code_tests, extract_program, judge, parse_cases
 from megatron_rl.rewards.user import build_reward, load_user_reward
 
-PROJECT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -114,11 +111,11 @@ def test_reward_fn_takes_precedence_over_name(user_rewards):
     assert fn("7", "7") == 1.0 and label == f"reward.fn {module}:score"
 
 
-def test_command_line_prints_one_line_and_exits_2(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "megatron_rl.main", "reward.fn=no_such_pkg_xyz.mod:score",
-                           f"trainer.run_dir={tmp_path}"], capture_output=True, text=True, cwd=PROJECT, timeout=120)
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith(
+def test_command_line_prints_one_line_and_exits_2(tmp_path, capsys):
+    from megatron_rl.main import main
+
+    assert main(["reward.fn=no_such_pkg_xyz.mod:score", f"trainer.run_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "megatron_rl: error: reward.fn='no_such_pkg_xyz.mod:score': module 'no_such_pkg_xyz' is not importable")
 
 
