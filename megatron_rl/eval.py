@@ -23,7 +23,10 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# shared/data beside the repository (a clone), or one level up (a git worktree under a folder).
+_REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = next((p / "shared" / "data" for p in (_REPO.parent, _REPO.parent.parent)
+                    if (p / "shared" / "data").is_dir()), _REPO.parent / "shared" / "data")
 
 
 @dataclass(frozen=True)
