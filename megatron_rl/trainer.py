@@ -33,7 +33,8 @@ from .learner.group import LearnerGroup
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
-from .rewards import REWARDS, RewardRunner, score_groups
+from .rewards import RewardRunner, score_groups
+from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
@@ -162,8 +163,8 @@ class Trainer:
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
-                                    name=f"reward {cfg.reward.name}")
+        reward_fn, reward_label = build_reward(cfg.reward)
+        self.rewards = RewardRunner(reward_fn, cfg.reward.workers, cfg.reward.timeout_s, name=reward_label)
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.

@@ -24,7 +24,7 @@ from megatron_rl.types import Trajectory
 REGISTRIES = {
     "algo.name": (ADVANTAGE_ESTIMATORS, ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")),
     "algo.policy_loss": (POLICY_LOSSES, ("decoupled", "ppo", "gspo")),
-    "reward.name": (REWARDS, ("reverse_digits", "sort_digits", "gsm8k")),
+    "reward.name": (REWARDS, ("reverse_digits", "sort_digits", "gsm8k", "math", "code")),
     "rollout.engine": (ENGINES, ("embedded", "vllm")),
     "rollout.workflow": (WORKFLOWS, ("single_turn",)),
 }

@@ -295,14 +295,15 @@ class CriticConfig:
 
 @dataclass
 class DataConfig:
-    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | gsm8k | jsonl (a JSONL file
-    # at data.path).
+    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | gsm8k | math500 | jsonl (a
+    # JSONL file at data.path).
     name: str = "reverse_digits"
-    # JSONL file for gsm8k / jsonl datasets.
+    # JSONL file for gsm8k / math500 / jsonl datasets.
     path: Optional[str] = None
-    # JSONL field holding the prompt (data.name=jsonl).
-    prompt_key: str = "question"
-    # JSONL field holding the reference answer.
+    # Field of a JSONL row holding the prompt; None: the dataset's own (problem for math500,
+    # question otherwise).
+    prompt_key: Optional[str] = None
+    # Field holding the reference answer (GSM8K's is cut to the number after '####').
     answer_key: str = "answer"
     # Synthetic tasks: digit-string lengths (inclusive) and alphabet.
     min_digits: int = 3
@@ -315,7 +316,8 @@ class DataConfig:
     # 0: lengths uniform in [min_digits, max_digits]. > 0: a power law, P(n) ∝ (n - min_digits + 1)^-tail,
     # so most strings are short and a few are long (long-tailed response lengths, as in reasoning RL).
     length_tail: float = 0.0
-    # plain | qa (Question/Answer framing for text datasets)
+    # plain | qa (Question/Answer framing asking for '#### <number>') | math (Problem/Solution
+    # framing asking for a \boxed{} answer)
     template: str = "plain"
     # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)
     tokenizer: str = "char"
@@ -330,8 +332,13 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     # The verifier that scores a response: reverse_digits | sort_digits | gsm8k (the number after
-    # `####`); any name registered in rewards/verifiers.py's REWARDS.
+    # '####') | math (math-verify equivalence of the last \boxed{} answer) | code (the program
+    # passes the target's JSON test cases in the sandbox); a name registered in REWARDS.
     name: str = "reverse_digits"
+    # A reward of your own by import path, package.module:function, used instead of reward.name:
+    # called as fn(completion, target) (plain or async def), returning a float or a dict with a
+    # float 'reward'. None: reward.name chooses.
+    fn: Optional[str] = None
     # Seconds one completion's score may take. A group is scored in one worker call, which is hung
     # when no completion finishes for this long: that one scores 0 (counted), the rest go on.
     timeout_s: float = 10.0

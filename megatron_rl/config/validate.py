@@ -35,8 +35,8 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
-    "data.name": ("reverse_digits", "sort_digits", "gsm8k", "jsonl"),
-    "data.template": ("plain", "qa"),
+    "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
+    "data.template": ("plain", "qa", "math"),
     "data.tokenizer": ("char", "bpe"),
     "reward.name": REWARDS.names,
 }
@@ -208,7 +208,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     if cfg.learner.share_prompts and (reasons := unsupported(m, cfg.learner)):
         raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
                           + ": set learner.share_prompts=false")
-    if d.name in ("gsm8k", "jsonl") and not d.path:
+    if d.name in ("gsm8k", "math500", "jsonl") and not d.path:
         raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl")
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens
     if needed > m.max_position_embeddings:
@@ -233,6 +233,14 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         raise ConfigError("rollout.weight_transport=file works for a vLLM engine in one process only; in the "
                           "torchrun world the learners broadcast weights to vLLM's workers: use "
                           "rollout.weight_transport=broadcast")
+    if cfg.reward.fn:
+        from ..plugins import PluginError
+        from ..rewards.user import load_user_reward
+
+        try:  # import it now: a wrong path or signature is one line before anything starts
+            load_user_reward(cfg.reward.fn)
+        except PluginError as err:
+            raise ConfigError(str(err)) from None
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "

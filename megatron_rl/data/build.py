@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable, Tuple
 
 from ..config.schema import RootConfig
-from .datasets import DigitTask, JsonlPrompts, Prompt, TEMPLATES, read_jsonl
+from .datasets import DigitTask, JsonlPrompts, Prompt, TEMPLATES, prompt_key, read_jsonl
 from .tokenizer import Tokenizer, char_tokenizer, train_bpe
 
 
@@ -14,8 +14,9 @@ def build_tokenizer(cfg: RootConfig) -> Tokenizer:
     if d.tokenizer == "char":
         return char_tokenizer(d.digits + "=")
     # Byte-level BPE trained on the dataset's own prompts and answers (offline, ~1 s).
-    rows = read_jsonl(d.path, [d.prompt_key, d.answer_key])
-    texts = (TEMPLATES[d.template].format(question=r[d.prompt_key]) + " " + r[d.answer_key] for r in rows)
+    key = prompt_key(d.name, d.prompt_key)
+    rows = read_jsonl(d.path, [key, d.answer_key])
+    texts = (TEMPLATES[d.template].format(question=r[key]) + " " + r[d.answer_key] for r in rows)
     return train_bpe(texts, d.bpe_vocab_size)
 
 
@@ -24,7 +25,7 @@ def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
     if d.name in ("reverse_digits", "sort_digits"):
         return DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits, cfg.trainer.seed,
                          distinct=d.distinct_digits, length_tail=d.length_tail)
-    return JsonlPrompts(d.path, tokenizer, d.prompt_key, d.answer_key, d.template, d.max_prompt_tokens,
+    return JsonlPrompts(d.path, tokenizer, prompt_key(d.name, d.prompt_key), d.answer_key, d.template, d.max_prompt_tokens,
                         cfg.trainer.seed, d.shuffle, gsm8k=d.name == "gsm8k")
 
 

@@ -10,7 +10,7 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterator, List, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from .tokenizer import Tokenizer
 
@@ -71,7 +71,16 @@ def gsm8k_final_answer(answer: str) -> str:
 TEMPLATES = {
     "plain": "{question}",
     "qa": "Question: {question}\nLet's think step by step and end with '#### <number>'.\nAnswer:",
+    "math": "Problem: {question}\nLet's think step by step and put the final answer in \\boxed{{}}.\nSolution:",
 }
+
+# The prompt field of each named JSONL dataset (data.prompt_key overrides it).
+PROMPT_KEYS = {"gsm8k": "question", "math500": "problem", "jsonl": "question"}
+
+
+def prompt_key(name: str, configured: Optional[str]) -> str:
+    """The field holding the prompt: ``data.prompt_key`` when set, else the dataset's own."""
+    return configured or PROMPT_KEYS.get(name, "question")
 
 
 class JsonlPrompts:

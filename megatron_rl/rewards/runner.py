@@ -9,6 +9,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, List, Sequence, Tuple
 
+from ..plugins import PluginError
 from .shaping import overlong_penalty
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ class RewardRunner:
             try:
                 done.append(float(self.fn(completion, target)))
                 self.counts["ok"] += 1
+            except PluginError:
+                raise  # a user reward.fn that returns the wrong type: stop the run with its one line
             except Exception as err:  # noqa: BLE001 - any user reward error becomes a counted zero
                 self.counts["error"] += 1
                 logger.warning("%s raised %r on completion %r; scored 0", self.name, err, completion[:80])

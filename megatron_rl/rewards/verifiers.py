@@ -7,6 +7,8 @@ import re
 from typing import Callable
 
 from ..registry import Registry
+from .code import code_tests
+from .math_verifier import math_equal
 
 RewardFn = Callable[[str, str], float]
 # reward.name -> its verifier; the trainer scores every completion with REWARDS[cfg.reward.name].
@@ -48,3 +50,7 @@ def gsm8k_exact(completion: str, target: str) -> float:
 REWARDS.add("reverse_digits", digit_match)
 REWARDS.add("sort_digits", digit_match)
 REWARDS.add("gsm8k", gsm8k_exact)
+# MATH-style answers (boxed LaTeX, fractions, intervals, units) through math-verify.
+REWARDS.add("math", math_equal)
+# Programs against stdin/stdout test cases (a JSON list) in the code sandbox.
+REWARDS.add("code", code_tests)

@@ -1,0 +1,54 @@
+"""python -m megatron_rl.eval on a converted tiny random checkpoint: a few rows of GSM8K test and
+MATH-500, pass@1 and pass@k, a JSON report and a printed table; pass@k by hand."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_helpers import save_random_hf_model
+
+from megatron_rl.eval import evaluate, main, pass_at_k
+
+PROJECT = Path(__file__).resolve().parents[1]
+DATA = PROJECT.parent / "shared" / "data"
+if not DATA.is_dir():  # a worktree sits one level deeper than a clone
+    DATA = PROJECT.parents[1] / "shared" / "data"
+
+
+@pytest.mark.parametrize("n, c, k, expected", [(1, 1, 1, 1.0), (1, 0, 1, 0.0), (4, 1, 1, 0.25), (4, 1, 2, 0.5),
+                                               (4, 2, 2, 1 - 1 / 6), (4, 0, 4, 0.0), (5, 3, 3, 1.0), (10, 3, 5, 1 - 21 / 252)])
+def test_pass_at_k_by_hand(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_eval_on_a_converted_checkpoint(tmp_path, capsys):
+    """HF random model -> tools/convert_checkpoint.py -> Megatron checkpoint -> eval of 2 rows each."""
+    save_random_hf_model("llama", tmp_path / "hf", vocab_size=320, max_position_embeddings=512)
+    done = subprocess.run([sys.executable, "tools/convert_checkpoint.py", "hf-to-megatron", str(tmp_path / "hf"),
+                           str(tmp_path / "mcore"), "--no-progress"], cwd=PROJECT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = evaluate([f"model.path={tmp_path / 'mcore'}", "--limit", "2", "--samples", "2", "--k", "2",
+                       "--gsm8k", str(DATA / "gsm8k" / "test.jsonl"), "--math500", str(DATA / "math500" / "test.jsonl"),
+                       "--report", str(tmp_path / "eval.json"), "--no-progress", "data.tokenizer=bpe",
+                       "data.bpe_vocab_size=300", "data.max_prompt_tokens=400", "rollout.max_new_tokens=4",
+                       f"trainer.run_dir={tmp_path / 'run'}"])
+    printed = capsys.readouterr().out
+    assert json.loads((tmp_path / "eval.json").read_text()) == report
+    for name in ("gsm8k", "math500"):
+        result = report["datasets"][name]
+        assert result["problems"] == 2 and result["samples"] == 2 and len(result["rows"]) == 2
+        assert 0.0 <= result["pass@1"] <= result["pass@2"] <= 1.0
+        assert f"\n{name} " in "\n" + printed
+    assert printed.splitlines()[0].split() == ["dataset", "problems", "samples", "pass@1", "pass@2"]
+    assert report["datasets"]["gsm8k"]["rows"][0]["target"] == "18"  # the first GSM8K test answer
+
+
+def test_bad_arguments_are_one_line(tmp_path, capsys):
+    assert main(["--datasets", "mmlu", "model.path=/x"]) == 2
+    assert "megatron_rl.eval: error: --datasets='mmlu': unknown mmlu" in capsys.readouterr().err
+    assert main(["--samples", "2", "--k", "3"]) == 2
+    assert "--k=3 must be between 1 and --samples=2" in capsys.readouterr().err
