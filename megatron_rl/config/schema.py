@@ -35,6 +35,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     # fp32 | bf16
     dtype: str = "fp32"
+    # On a GPU, fused element-wise kernels where they need no TransformerEngine (SwiGLU compiled by
+    # torch.compile); false keeps the eager kernels. Ignored on a CPU, where they are always off.
+    fused_kernels: bool = True
     # Mixture of experts: 0 keeps a dense MLP in every layer.
     num_experts: int = 0
     moe_router_topk: int = 2
@@ -285,6 +288,9 @@ class TrainerConfig:
     # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf).
     export_hf: bool = False
     log_interval: int = 1
+    # Seconds between NVML readings of the GPUs this process uses (per-step gpu/ metrics:
+    # utilisation, memory, power, clocks); 0 turns GPU telemetry off. No GPU: no gpu/ metrics.
+    gpu_telemetry_interval_s: float = 1.0
     progress: bool = True
     # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the
     # learner and the engine each get half, so their compute threads do not fight over cores.

@@ -121,8 +121,9 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, 
         # Off when every weight is about to be loaded (conversion): random init of a large model
         # on CPU takes minutes and its values are overwritten anyway.
         perform_initialization=initialize,
-        # Fusions need CUDA kernels; the unfused paths are exact and run anywhere.
-        bias_activation_fusion=False,
+        # Fusions need CUDA kernels; the unfused paths are exact and run anywhere. SwiGLU's fusion
+        # is megatron-core's torch.compile'd function (no TransformerEngine); the rest need TE/apex.
+        bias_activation_fusion=not on_cpu and cfg.fused_kernels,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -205,9 +206,20 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
         rope_scaling=cfg.rope_scaling_factor is not None,
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
+    norms_in_model_dtype(model, config.params_dtype)
     if cuda_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def norms_in_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Keep torch norms' weights in the model's dtype. The local spec builds torch.nn.RMSNorm /
+    LayerNorm with fp32 weights whatever params_dtype says; with bf16 activations torch then has no
+    fused kernel for them (it warns and runs several element-wise kernels). The optimizer keeps its
+    fp32 main copy of every bf16 weight, norms included, as for TransformerEngine's norms."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
 
 
 def _router_gemm_without_te() -> None:
