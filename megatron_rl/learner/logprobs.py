@@ -12,9 +12,12 @@ recomputes each chunk's softmax instead of storing it.
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Tuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # fp32 elements of one chunk's working tensors (a few of them are alive at once): 2**25 is 128 MB,
 # ~220 tokens of a 152k vocabulary; large enough that per-chunk kernel launches are noise.
@@ -35,15 +38,67 @@ def _tp_group():
     return parallel_state.get_tensor_model_parallel_group(), parallel_state.get_tensor_model_parallel_rank(), world
 
 
-def _fp32_copy(x: torch.Tensor) -> torch.Tensor:
-    """A new fp32 tensor (``float()`` would return an fp32 input itself, which is modified in place)."""
-    return x.to(torch.float32, copy=True)
-
-
 def _chunks(n: int, width: int, chunk_elements: int):
     rows = max(1, chunk_elements // max(width, 1))
     for start in range(0, n, rows):
         yield slice(start, min(start + rows, n))
+
+
+def forward_chunk(logits: torch.Tensor, local_targets: torch.Tensor, in_range: torch.Tensor, temperature: float,
+                  maxes: Optional[torch.Tensor]):
+    """One chunk's per-token (max, sum of exp, sum of exp * shifted logit, target logit) of the
+    logits / T, shifted by ``maxes`` (the TP group's) or by the chunk's own max when None."""
+    scaled = logits.float() / temperature
+    m = scaled.amax(dim=-1) if maxes is None else maxes
+    shifted = scaled - m.unsqueeze(1)
+    exp = shifted.exp()
+    target = scaled.gather(1, local_targets.unsqueeze(1)).squeeze(1)
+    return m, exp.sum(dim=-1), (exp * shifted).sum(dim=-1), torch.where(in_range, target, torch.zeros_like(target))
+
+
+def backward_chunk(logits: torch.Tensor, local_targets: torch.Tensor, in_range: torch.Tensor, log_norm: torch.Tensor,
+                   entropy: torch.Tensor, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    """d(loss)/d(logits) of one chunk, in the logits' dtype.
+    d logprob_t / d s_k = [k = t] - p_k;  d H / d s_k = -p_k (log p_k + H);  s = logits / T."""
+    logp = logits.float() / temperature - log_norm.unsqueeze(1)
+    prob = logp.exp()
+    grad = -prob * (grad_entropy.unsqueeze(1) * (logp + entropy.unsqueeze(1)) + grad_logprobs.unsqueeze(1))
+    vocab = torch.arange(logits.shape[1], device=logits.device)
+    hit = (vocab.unsqueeze(0) == local_targets.unsqueeze(1)) & in_range.unsqueeze(1)
+    grad = grad + torch.where(hit, grad_logprobs.unsqueeze(1), torch.zeros_like(grad))
+    return (grad / temperature).to(logits.dtype)
+
+
+class _Kernels:
+    """The chunk functions: compiled by torch.compile on a GPU (one fused pass over each chunk's
+    logits instead of several element-wise kernels and fp32 temporaries), eager elsewhere or when
+    compiling fails (then once, with a warning)."""
+
+    def __init__(self):
+        self._compiled = None
+        self.use_compile = True
+
+    def get(self, device: torch.device):
+        if device.type != "cuda" or not self.use_compile:
+            return forward_chunk, backward_chunk
+        if self._compiled is None:
+            self._compiled = (torch.compile(forward_chunk, dynamic=True), torch.compile(backward_chunk, dynamic=True))
+        return self._compiled
+
+    def call(self, which: int, device: torch.device, *args):
+        fn = self.get(device)[which]
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - an inductor/triton failure must not stop training
+            if fn is (forward_chunk, backward_chunk)[which]:
+                raise
+            logger.warning("compiled logprob kernels failed (%s); using the eager ones", exc)
+            self.use_compile = False
+            return (forward_chunk, backward_chunk)[which](*args)
+
+
+KERNELS = _Kernels()
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
@@ -67,17 +122,9 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         in_range = (local_targets >= 0) & (local_targets < width)
         local_targets = torch.where(in_range, local_targets, torch.zeros_like(local_targets))
         for c in _chunks(n, width, chunk_elements):
-            scaled = _fp32_copy(logits[c]).div_(temperature)
-            if group is None:
-                maxes[c] = scaled.max(dim=-1).values
-            target = scaled.gather(1, local_targets[c].unsqueeze(1)).squeeze(1)
-            sums[2, c] = torch.where(in_range[c], target, torch.zeros_like(target))
-            shifted = scaled.sub_(maxes[c].unsqueeze(1))
-            exp = shifted.exp()
-            sums[0, c] = exp.sum(dim=-1)
-            if with_entropy:
-                sums[1, c] = exp.mul_(shifted).sum(dim=-1)
-            del scaled, shifted, exp
+            m, sum_exp, weighted, target = KERNELS.call(0, dev, logits[c], local_targets[c], in_range[c], temperature,
+                                                        maxes[c] if group is not None else None)
+            maxes[c], sums[0, c], sums[1, c], sums[2, c] = m, sum_exp, weighted, target
         if group is not None:
             torch.distributed.all_reduce(sums, group=group)
         log_sum = sums[0].log()
@@ -95,27 +142,15 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor]):
         logits, local_targets, in_range, log_norm, entropy = ctx.saved_tensors
-        temperature = ctx.temperature
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(log_norm)
+        if grad_entropy is None:
+            grad_entropy = torch.zeros_like(log_norm)
         n, width = logits.shape
         grad = torch.empty_like(logits)
         for c in _chunks(n, width, ctx.chunk_elements):
-            logp = _fp32_copy(logits[c]).div_(temperature).sub_(log_norm[c].unsqueeze(1))
-            prob = logp.exp()
-            # d logprob_t / d s_k = [k = t] - p_k;  d H / d s_k = -p_k (log p_k + H)
-            if grad_entropy is not None:
-                g = logp.add_(entropy[c].unsqueeze(1)).mul_(prob).mul_(-grad_entropy[c].unsqueeze(1))
-                if grad_logprobs is not None:
-                    g.sub_(prob.mul_(grad_logprobs[c].unsqueeze(1)))
-            elif grad_logprobs is not None:
-                g = prob.mul_(-grad_logprobs[c].unsqueeze(1))
-            else:
-                g = prob.zero_()
-            if grad_logprobs is not None:
-                hit = torch.where(in_range[c], grad_logprobs[c], torch.zeros_like(grad_logprobs[c]))
-                rows = torch.arange(c.stop - c.start, device=logits.device)
-                g.index_put_((rows, local_targets[c]), hit, accumulate=True)
-            grad[c] = g.div_(temperature)
-            del logp, prob, g
+            grad[c] = KERNELS.call(1, logits.device, logits[c], local_targets[c], in_range[c], log_norm[c], entropy[c],
+                                   grad_logprobs[c], grad_entropy[c], ctx.temperature)
         return grad, None, None, None, None
 
 
