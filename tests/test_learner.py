@@ -303,3 +303,29 @@ def test_fused_adam_step_equals_the_default_one(megatron_world):
     for k in a:
         if isinstance(a[k], torch.Tensor):
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_activation_recompute_trains_the_same(megatron_world, monkeypatch):
+    """learner.recompute_activations: the backward recomputes each layer's activations; the
+    step's loss and updated weights are those without it."""
+    from megatron.core import tensor_parallel
+
+    checkpoint, calls = tensor_parallel.checkpoint, []
+    monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    torch.manual_seed(0)
+    plain = Learner(_cfg(), VOCAB)
+    cfg = _cfg()
+    cfg.learner.recompute_activations = True
+    again = Learner(cfg, VOCAB)
+    assert again.module.config.recompute_granularity == "full"
+    again.module.load_state_dict(plain.module.state_dict())
+    a = plain.train_step(copy.deepcopy(_batch()), 1.0, lr=1e-2)
+    assert not calls
+    b = again.train_step(copy.deepcopy(_batch()), 1.0, lr=1e-2)
+    assert len(calls) == again.module.config.num_layers  # one checkpoint per layer
+    assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6, abs=1e-7)
+    assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    sa, sb = plain.module.state_dict(), again.module.state_dict()
+    for k in sa:
+        if isinstance(sa[k], torch.Tensor):
+            torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6)

@@ -109,6 +109,9 @@ class LearnerConfig:
     # 4096 on a GPU (where a token costs far less next to a forward's fixed work); measured in
     # learner/batch.py's docstring.
     micro_batch_overhead_tokens: Optional[int] = None
+    # Recompute each transformer layer's activations during the backward (megatron-core's full
+    # recompute, one layer at a time): far less activation memory for about a third more compute.
+    recompute_activations: bool = False
     # Train each prompt once per micro-batch: a GRPO group's responses follow one copy of their
     # prompt and attend to it (models/shared_prefix.py), instead of G rows of prompt + response.
     # Same losses and gradients, fewer tokens: a CPU learner's step 1.4x faster on longtail_cpu.

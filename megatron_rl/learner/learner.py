@@ -67,7 +67,8 @@ class Learner:
             raise ConfigError("learner.share_prompts=true is for CPU learners for now: on a GPU its "
                               "segment attention has no flash kernel and trains 2-3x slower than plain "
                               "rows (measured on an H200); set learner.share_prompts=false")
-        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
+        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep,
+                                recompute=lc.recompute_activations)
         if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
             load_pretrained(model, cfg.model, cfg.model.path)
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", lc.lr)

@@ -87,7 +87,15 @@ def mla_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
     )
 
 
-def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, initialize: bool = True):
+def recompute_kwargs(recompute: bool) -> Dict[str, Any]:
+    """TransformerConfig fields for full activation recompute, one layer per checkpoint."""
+    if not recompute:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, initialize: bool = True,
+                       recompute: bool = False):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_cpu = not cuda_available()
@@ -133,6 +141,7 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, 
         calculate_per_token_loss=True,
         **moe_kwargs(cfg),
         **mla_kwargs(cfg),
+        **recompute_kwargs(recompute),
     )
 
 
@@ -172,9 +181,10 @@ def decoder_spec(config, use_te: bool, kv_attention: bool = False):
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None, ep: int = 1,
-                    initialize: bool = True, kv_attention: bool = False):
+                    initialize: bool = True, kv_attention: bool = False, recompute: bool = False):
     """A GPTModel on this machine's device; parallel_state must already be initialised.
     ``kv_attention``: built for the rollout engine's KV cache (see models/kv_attention.py).
+    ``recompute``: recompute activations in the backward (``learner.recompute_activations``).
 
     Under a pipeline (pp > 1) this rank's stage decides, unless given: only the first stage
     embeds tokens and only the last computes logits."""
@@ -191,7 +201,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     if cfg.num_experts and not use_te:
         _router_gemm_without_te()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
-    config = transformer_config(cfg, tp, pp, ep, initialize)
+    config = transformer_config(cfg, tp, pp, ep, initialize, recompute)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, use_te, kv_attention),
