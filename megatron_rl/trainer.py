@@ -44,6 +44,7 @@ from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
 from .stop import StopRequested, StopWatch
+from .telemetry.gpu import GpuTelemetry
 from .telemetry.metrics import MetricsWriter, Timeline
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
@@ -192,6 +193,8 @@ class Trainer:
             self.resume()  # last: the random states it restores must not be consumed by set-up
         # Events of steps after the checkpoint (a run that died past it) are dropped from TensorBoard.
         self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
+        # Per-step GPU utilisation, memory, power, clocks (telemetry/gpu.py); empty without a GPU.
+        self.gpu_telemetry = GpuTelemetry(cfg.trainer.gpu_telemetry_interval_s).start()
         logger.info("run directory: %s", self.run_dir)
 
     async def run_on_learners(self, name: str, *args: Any) -> Any:
@@ -411,6 +414,7 @@ class Trainer:
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
                 **self.engine_metrics(),
                 **self._sync_metrics,
+                **self.gpu_telemetry.step_metrics(),
             })
             last[0], last[1] = now, engine_tokens
             await self.after_step(step, metrics, history, progress)
@@ -447,6 +451,7 @@ class Trainer:
             self.log_ledger()
             self.learners.close()  # the other learner ranks leave their loop
             self.metrics.close()
+            self.gpu_telemetry.close()
             self.timeline.close()
             self.samples.close()
             self.rewards.close()

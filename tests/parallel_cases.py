@@ -53,9 +53,12 @@ def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Tra
     take one training step, and return what this rank sees plus its stage's gathered weights."""
     from megatron.core import parallel_state as ps
 
+    from megatron_rl.learner import logprobs as logprobs_module
     from megatron_rl.learner.learner import Learner
     from megatron_rl.weights.reshard import full_state, load_into_learner
 
+    # Several vocabulary chunks per micro-batch (and per TP shard), against the reference's one.
+    logprobs_module.CHUNK_ELEMENTS = 5 * VOCAB
     learner = Learner(cfg, VOCAB)
     load_into_learner(learner, full)
     loaded_back = full_state(learner.module)

@@ -212,13 +212,23 @@ def test_micro_batch_layout_by_hand():
     a = Trajectory("a", 0, [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], "stop")
     b = Trajectory("b", 1, [6, 7, 8], [9], [-0.5], [0], "stop")
     a.advantage, b.advantage = 1.5, -2.0
+    # Within the budget the batch is trained at its own size: no filler rows.
     (mb,) = build_micro_batches([a, b], token_budget=15, pad_id=0)
-    assert mb.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0], [0, 0, 0, 0, 0]]
-    assert mb.labels.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 0, 0], [0, 0, 0, 0, 0]]
-    assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0], [0, 0, 0, 0, 0]]
-    assert mb.advantages.tolist() == [[0, 1.5, 1.5, 1.5, 0], [0, 0, -2.0, 0, 0], [0, 0, 0, 0, 0]]
-    assert torch.allclose(mb.behav_logprobs, torch.tensor([[0, -0.1, -0.2, -0.3, 0], [0, 0, -0.5, 0, 0], [0.0] * 5]))
-    assert mb.rows == [0, 1, -1]
+    assert mb.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
+    assert mb.labels.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 0, 0]]
+    assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
+    assert mb.advantages.tolist() == [[0, 1.5, 1.5, 1.5, 0], [0, 0, -2.0, 0, 0]]
+    assert torch.allclose(mb.behav_logprobs, torch.tensor([[0, -0.1, -0.2, -0.3, 0], [0, 0, -0.5, 0, 0]]))
+    assert mb.rows == [0, 1]
+    # Several micro-batches of one shape: rows spread evenly, the last one's filler row empty.
+    c = Trajectory("c", 2, [5], [6], [-0.7], [0], "stop")
+    first, second = build_micro_batches([a, b, c], token_budget=10, pad_id=0)
+    assert first.rows == [0, 1] and second.rows == [2, -1]
+    assert second.tokens.tolist() == [[5, 6, 0, 0, 0], [0, 0, 0, 0, 0]]
+    assert second.loss_mask.tolist() == [[1, 0, 0, 0, 0], [0, 0, 0, 0, 0]]
+    # Five rows at four a micro-batch: 3 + 3 (one filler), not 4 + 4 (three).
+    five = [Trajectory(f"r{i}", i, [1], [2], [-0.1], [0], "stop") for i in range(5)]
+    assert [mb.rows for mb in build_micro_batches(five, token_budget=8)] == [[0, 1, 2], [3, 4, -1]]
     b.logprobs = [-0.5, -0.6]
     with pytest.raises(ValueError, match="b/1: behav_logprobs has 2 values for 1 response tokens"):
         build_micro_batches([a, b], token_budget=15)
@@ -271,3 +281,51 @@ def test_micro_batch_overhead_defaults_by_device_and_can_be_set():
     assert len(micro_batches(trajs, lc, 0)) == 1
     lc.micro_batch_overhead_tokens = 0
     assert len(micro_batches(trajs, lc, 0)) == len({len(t.prompt_ids) + len(t.response_ids) for t in trajs})
+
+
+def test_fused_adam_step_equals_the_default_one(megatron_world):
+    """The learner's GPU path switches torch's Adam (megatron-core's fallback without TE/apex) to
+    its fused kernel; the update must be the same (torch has a fused Adam on the CPU too)."""
+    from megatron_rl.learner.megatron_step import use_fused_adam
+
+    torch.manual_seed(0)
+    plain = Learner(_cfg(), VOCAB)
+    fused = Learner(_cfg(), VOCAB)
+    fused.module.load_state_dict(plain.module.state_dict())
+    assert use_fused_adam(fused.optimizer) == 1
+    assert all(g["fused"] for g in fused.optimizer.optimizer.param_groups)
+    start = {k: v.clone() for k, v in plain.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    for learner in (plain, fused):
+        for _ in range(2):
+            learner.train_step(copy.deepcopy(_batch()), 1.0, lr=1e-2)
+    a, b = plain.module.state_dict(), fused.module.state_dict()
+    assert max((a[k] - start[k]).abs().max() for k in start) > 1e-3  # the steps moved the weights
+    for k in a:
+        if isinstance(a[k], torch.Tensor):
+            torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
+def test_activation_recompute_trains_the_same(megatron_world, monkeypatch):
+    """learner.recompute_activations: the backward recomputes each layer's activations; the
+    step's loss and updated weights are those without it."""
+    from megatron.core import tensor_parallel
+
+    checkpoint, calls = tensor_parallel.checkpoint, []
+    monkeypatch.setattr(tensor_parallel, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    torch.manual_seed(0)
+    plain = Learner(_cfg(), VOCAB)
+    cfg = _cfg()
+    cfg.learner.recompute_activations = True
+    again = Learner(cfg, VOCAB)
+    assert again.module.config.recompute_granularity == "full"
+    again.module.load_state_dict(plain.module.state_dict())
+    a = plain.train_step(copy.deepcopy(_batch()), 1.0, lr=1e-2)
+    assert not calls
+    b = again.train_step(copy.deepcopy(_batch()), 1.0, lr=1e-2)
+    assert len(calls) == again.module.config.num_layers  # one checkpoint per layer
+    assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6, abs=1e-7)
+    assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-5)
+    sa, sb = plain.module.state_dict(), again.module.state_dict()
+    for k in sa:
+        if isinstance(sa[k], torch.Tensor):
+            torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6)

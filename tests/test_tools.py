@@ -86,3 +86,17 @@ def test_learner_step_bench_prints_both_ways(compare):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] == ["6"]]
     assert len(rows) == 1 and rows[0][-1].endswith("x") and float(rows[0][3]) > 0 and float(rows[0][4]) > 0, out.stdout
+
+def test_learner_gpu_bench_flop_formula_by_hand():
+    """tools/bench/learner_gpu.py's TFLOP/s: Qwen2-1.5B's matmul weights are its 1.54B parameters
+    (tied embeddings: the LM head counted once, the lookup is no matmul)."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from learner_gpu import matmul_params, step_flops
+
+    from megatron_rl.config import load_config
+
+    m = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"]).model
+    per_layer = 1536 * (1536 + 2 * 128 * 2) + 1536 * 1536 + 3 * 1536 * 8960
+    assert matmul_params(m, 151936) == 28 * per_layer + 151936 * 1536 == 1_543_569_408
+    # 8 rows of 2048: 6 N T plus causal attention, 6 L d s^2 per row.
+    assert step_flops(m, 151936, 8, 2048) == 6 * 1_543_569_408 * 8 * 2048 + 6 * 28 * 1536 * 8 * 2048 ** 2

@@ -45,6 +45,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Precision of parameters and compute: fp32 | bf16.
     dtype: str = "fp32"
+    # On a GPU, fused element-wise kernels where they need no TransformerEngine (SwiGLU compiled by
+    # torch.compile); false keeps the eager kernels. Ignored on a CPU, where they are always off.
+    fused_kernels: bool = True
     # Mixture of experts: 0 keeps a dense MLP in every layer.
     num_experts: int = 0
     # Experts each token is routed to.
@@ -142,6 +145,9 @@ class LearnerConfig:
     # 4096 on a GPU (where a token costs far less next to a forward's fixed work); measured in
     # learner/batch.py's docstring.
     micro_batch_overhead_tokens: Optional[int] = None
+    # Recompute each transformer layer's activations during the backward (megatron-core's full
+    # recompute, one layer at a time): far less activation memory for about a third more compute.
+    recompute_activations: bool = False
     # Train each prompt once per micro-batch: a GRPO group's responses follow one copy of their
     # prompt and attend to it (models/shared_prefix.py), instead of G rows of prompt + response.
     # Same losses and gradients, fewer tokens: a CPU learner's step 1.4x faster on longtail_cpu.
@@ -374,6 +380,9 @@ class TrainerConfig:
     export_hf: bool = False
     # Write a few decoded responses to samples.jsonl every this many steps.
     log_interval: int = 1
+    # Seconds between NVML readings of the GPUs this process uses (per-step gpu/ metrics:
+    # utilisation, memory, power, clocks); 0 turns GPU telemetry off. No GPU: no gpu/ metrics.
+    gpu_telemetry_interval_s: float = 1.0
     # Show a progress bar on a terminal.
     progress: bool = True
     # CPU cores for compute (0: all). When rollouts overlap training on CPU (async, η > 0), the

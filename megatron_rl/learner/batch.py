@@ -2,7 +2,8 @@
 
 Three packings within a token budget (rows × padded length):
 - equal shape: every micro-batch is [rows, longest sequence of the batch], so pipeline-parallel
-  schedules can use one tensor shape; filler rows carry a zero loss mask.
+  schedules can use one tensor shape; the rows are spread evenly over as few micro-batches as the
+  budget allows, and the last one's few filler rows carry a zero loss mask.
 - by length (no pipeline): sequences are sorted by length and cut into runs of similar lengths,
   each padded only to its own longest, so a few long responses do not make every row pay for
   their length. Where the cuts go is chosen to minimise padded tokens plus a fixed cost per
@@ -97,7 +98,12 @@ def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: 
         if len(groups) > 1:  # else the batch stays one micro-batch, in its order (below)
             return [_collate([trajs[order[k]] for k in grp], [order[k] for k in grp], len(grp),
                              lengths[order[grp[-1]]], pad_id) for grp in groups]
-    rows = max(1, token_budget // seq_len)
+    # As few micro-batches as the budget allows, their rows spread evenly: a batch that fits in one
+    # is trained at its own size, and the last of several carries fewer than one filler row per
+    # micro-batch (pipeline schedules need one shape), not a budget's worth.
+    most_rows = max(1, token_budget // seq_len)
+    count = -(-len(trajs) // most_rows)
+    rows = -(-len(trajs) // count)
     batches = []
     for start in range(0, len(trajs), rows):
         idx = list(range(start, min(start + rows, len(trajs))))

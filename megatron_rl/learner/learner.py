@@ -23,7 +23,7 @@ from ..models.pretrained import load_pretrained
 from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch
-from .logprobs import token_entropy, token_logprobs
+from .logprobs import token_logprobs, token_logprobs_and_entropy
 from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
                             wrap_for_training)
 from .parallel import init_model_parallel
@@ -67,7 +67,8 @@ class Learner:
             raise ConfigError("learner.share_prompts=true is for CPU learners for now: on a GPU its "
                               "segment attention has no flash kernel and trains 2-3x slower than plain "
                               "rows (measured on an H200); set learner.share_prompts=false")
-        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
+        model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep,
+                                recompute=lc.recompute_activations)
         if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
             load_pretrained(model, cfg.model, cfg.model.path)
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", lc.lr)
@@ -154,10 +155,9 @@ class Learner:
     def _policy_loss(self, logits: torch.Tensor, mb: MicroBatch, temperature: float):
         algo = self.cfg.algo
         mask = mb.loss_mask
-        logprobs = token_logprobs(logits, mb.labels, temperature)
+        logprobs, entropy = token_logprobs_and_entropy(logits, mb.labels, temperature)
         old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
         loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logprobs, old, mb.behav_logprobs, mb.advantages, mask, algo)
-        entropy = token_entropy(logits, temperature)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy * mask
         if self.ref_model is not None:

@@ -51,7 +51,25 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
     )
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.grad_scale_func = optimizer.scale_loss
+    if torch.cuda.is_available():
+        use_fused_adam(optimizer)
     return wrapped, optimizer
+
+
+def use_fused_adam(optimizer) -> int:
+    """Switch the torch Adam/AdamW under a Megatron optimizer (the fallback without TransformerEngine
+    or apex) to its fused single-kernel step: torch's default there is ``foreach``, a few kernels
+    per tensor group. The update is the same; returns how many torch optimizers were switched."""
+    switched = 0
+    for megatron_opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(megatron_opt, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue  # TransformerEngine's / apex's FusedAdam already is one kernel
+        inner.defaults.update(fused=True, foreach=False)
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+        switched += 1
+    return switched
 
 
 def forward_only(model: torch.nn.Module, mbs: Sequence[MicroBatch], step_fn: StepFn) -> List:

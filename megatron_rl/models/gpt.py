@@ -87,7 +87,15 @@ def mla_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
     )
 
 
-def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, initialize: bool = True):
+def recompute_kwargs(recompute: bool) -> Dict[str, Any]:
+    """TransformerConfig fields for full activation recompute, one layer per checkpoint."""
+    if not recompute:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, initialize: bool = True,
+                       recompute: bool = False):
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     on_cpu = not cuda_available()
@@ -121,8 +129,9 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, 
         # Off when every weight is about to be loaded (conversion): random init of a large model
         # on CPU takes minutes and its values are overwritten anyway.
         perform_initialization=initialize,
-        # Fusions need CUDA kernels; the unfused paths are exact and run anywhere.
-        bias_activation_fusion=False,
+        # Fusions need CUDA kernels; the unfused paths are exact and run anywhere. SwiGLU's fusion
+        # is megatron-core's torch.compile'd function (no TransformerEngine); the rest need TE/apex.
+        bias_activation_fusion=not on_cpu and cfg.fused_kernels,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
@@ -132,6 +141,7 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, 
         calculate_per_token_loss=True,
         **moe_kwargs(cfg),
         **mla_kwargs(cfg),
+        **recompute_kwargs(recompute),
     )
 
 
@@ -171,9 +181,10 @@ def decoder_spec(config, use_te: bool, kv_attention: bool = False):
 
 def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
                     pre_process: Optional[bool] = None, post_process: Optional[bool] = None, ep: int = 1,
-                    initialize: bool = True, kv_attention: bool = False):
+                    initialize: bool = True, kv_attention: bool = False, recompute: bool = False):
     """A GPTModel on this machine's device; parallel_state must already be initialised.
     ``kv_attention``: built for the rollout engine's KV cache (see models/kv_attention.py).
+    ``recompute``: recompute activations in the backward (``learner.recompute_activations``).
 
     Under a pipeline (pp > 1) this rank's stage decides, unless given: only the first stage
     embeds tokens and only the last computes logits."""
@@ -190,7 +201,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     if cfg.num_experts and not use_te:
         _router_gemm_without_te()
     logger.debug("building GPTModel (%s spec)", "TransformerEngine" if use_te else "local")
-    config = transformer_config(cfg, tp, pp, ep, initialize)
+    config = transformer_config(cfg, tp, pp, ep, initialize, recompute)
     model = GPTModel(
         config=config,
         transformer_layer_spec=decoder_spec(config, use_te, kv_attention),
@@ -205,9 +216,20 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
         rope_scaling=cfg.rope_scaling_factor is not None,
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
+    norms_in_model_dtype(model, config.params_dtype)
     if cuda_available():
         model = model.cuda(torch.cuda.current_device())
     return model
+
+
+def norms_in_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Keep torch norms' weights in the model's dtype. The local spec builds torch.nn.RMSNorm /
+    LayerNorm with fp32 weights whatever params_dtype says; with bf16 activations torch then has no
+    fused kernel for them (it warns and runs several element-wise kernels). The optimizer keeps its
+    fp32 main copy of every bf16 weight, norms included, as for TransformerEngine's norms."""
+    for module in model.modules():
+        if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)):
+            module.to(dtype)
 
 
 def _router_gemm_without_te() -> None:

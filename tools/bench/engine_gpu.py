@@ -1,0 +1,150 @@
+"""Benchmark: the embedded engine against transformers' ``generate`` on one GPU, same model.
+
+    python tools/bench/engine_gpu.py [--batches 64,256] [--prompt-len 512] [--new-tokens 256]
+        [--vocab 151936] [--skip-hf] [--gap-rows 16]
+
+One random-weight Hugging Face Qwen2 model of ``gsm8k_qwen2_gpu``'s shape (Qwen2-1.5B: 28 layers,
+hidden 1536, GQA 12/2) in bf16 is built with transformers; its weights are pushed into the
+embedded engine (Megatron GPTModel, KV cache), so both serve the same model. Both get the same
+prompts (random ids, --prompt-len each) and sample at T = 1 with no top-k/top-p and no stop token,
+so every request generates exactly --new-tokens tokens. Per batch size: the engine's tokens/s
+(all requests submitted at once, one warm-up request first) and ``generate``'s (one call over
+the whole batch, after a short warm-up call), and their ratio.
+Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
+logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import List, Tuple
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+
+def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tuple[float, list]:
+    from megatron_rl.types import SamplingParams
+
+    async def go():
+        params = SamplingParams(max_new_tokens=new_tokens, stream=False)
+        await engine.pause()
+        await engine.update_weights(weights, version=1)
+        await engine.resume()
+        async for _ in engine.generate("warmup", prompts[0], SamplingParams(max_new_tokens=8, stream=False)):
+            pass
+
+        async def one(i, ids):
+            tokens, logprobs = [], []
+            async for chunk in engine.generate(f"r{i}", ids, params):
+                tokens += chunk.token_ids
+                logprobs += chunk.logprobs
+            return tokens, logprobs
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    return asyncio.run(go())
+
+
+def hf_run(model, prompts: List[List[int]], new_tokens: int) -> float:
+    ids = torch.tensor(prompts, device="cuda")
+    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None,
+                  attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        torch.cuda.synchronize()
+    assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="64,256")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--recipe", default="gsm8k_qwen2_gpu")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--gap-rows", type=int, default=16)
+    args = parser.parse_args()
+
+    import transformers
+
+    from megatron_rl.config import load_config
+    from megatron_rl.learner.parallel import init_model_parallel
+    from megatron_rl.models.hf_config import hf_config_from_model
+    from megatron_rl.rollout.embedded import EmbeddedEngine
+
+    cfg = load_config(args.recipe, ["trainer.progress=false",
+                                    f"model.max_position_embeddings={args.prompt_len + args.new_tokens + 8}"])
+    init_model_parallel(1, 1, seed=0)
+    torch.manual_seed(0)
+    hf_dict = hf_config_from_model(cfg.model, args.vocab)
+    hf_cfg = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).cuda().eval()
+    weights = [(k, v.detach()) for k, v in hf_model.state_dict().items()]
+    rng = random.Random(0)
+    rows = []
+    gap_out = None
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+        engine = EmbeddedEngine(cfg.model, args.vocab, max_batch_size=batch, seed=0)
+        took, out = engine_run(engine, prompts, args.new_tokens, weights)
+        tokens = sum(len(t) for t, _ in out)
+        assert tokens == batch * args.new_tokens, tokens
+        engine_tps = tokens / took
+        if gap_out is None:
+            gap_out = (engine, prompts, out)
+        else:
+            asyncio.run(engine.shutdown())
+            del engine
+        torch.cuda.empty_cache()
+        hf_tps = float("nan")
+        if not args.skip_hf:
+            hf_tps = batch * args.new_tokens / hf_run(hf_model, prompts, args.new_tokens)
+        rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {engine_tps:>12.0f} {hf_tps:>14.0f} "
+                    f"{engine_tps / hf_tps:>7.2f}x")
+        print(rows[-1], flush=True)
+    del hf_model
+    torch.cuda.empty_cache()
+
+    gap_line = "no gap measured"
+    if gap_out is not None and args.gap_rows:
+        from megatron_rl.learner.learner import Learner
+        from megatron_rl.types import Trajectory
+
+        engine, prompts, out = gap_out
+        learner = Learner(cfg, vocab_size=args.vocab)
+        learner.module.load_state_dict(engine.model.state_dict(), strict=False)
+        asyncio.run(engine.shutdown())
+        trajs = [Trajectory(f"p{i}", 0, prompts[i], out[i][0], out[i][1], [1] * len(out[i][0]), "length")
+                 for i in range(min(args.gap_rows, len(out)))]
+        mine = learner.compute_logprobs(trajs, 1.0)
+        gaps = [abs(a - b) for t, lp in zip(trajs, mine) for a, b in zip(t.logprobs, lp)]
+        gap_line = (f"engine/learner bf16 logprob gap over {len(gaps)} sampled tokens: mean {statistics.mean(gaps):.4f}, "
+                    f"median {statistics.median(gaps):.4f}, max {max(gaps):.3f}")
+
+    print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.recipe} shape, vocab "
+          f"{args.vocab}, bf16, T=1, no stop token ({torch.cuda.get_device_name()})")
+    print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'engine tok/s':>12} {'generate tok/s':>14} {'ratio':>8}")
+    for line in rows:
+        print(line)
+    print(gap_line)
+
+
+if __name__ == "__main__":
+    main()
