@@ -63,3 +63,15 @@ def checkpoint_writer_dies_with_us() -> None:
     manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _writer_manager = manager
+
+
+def available_cores() -> int:
+    """Cores this process may use: the job's allocation on this node (``MEGATRON_RL_CPUS``, set by
+    the sbatch script), else the CPU affinity (a container's or taskset's), never the whole node's."""
+    allocated = os.environ.get("MEGATRON_RL_CPUS", "")
+    if allocated.isdigit() and int(allocated) > 0:
+        return int(allocated)
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

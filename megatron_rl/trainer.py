@@ -30,6 +30,7 @@ from .config.validate import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.group import LearnerGroup
+from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
@@ -42,8 +43,8 @@ from .rollout.engine import EngineError, RolloutEngine
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
-from .stop import StopRequested, StopWatch
-from .telemetry.metrics import MetricsWriter, Timeline
+from .stop import StopRequested, StopWatch, uninstall_stop_handlers
+from .telemetry.metrics import MetricsWriter, Timeline, TrainedBatches, forget_spans_after
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
 from .types import SamplingParams, Trajectory
@@ -66,7 +67,7 @@ def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]
     other and run ~2.5x slower (measured on 2 cores). In one process the half is shared (torch's
     setting is process-wide); an engine in its own process leaves the learner the other half.
     On GPU this process keeps torch's default unless ``trainer.cpu_threads`` is set."""
-    cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
+    cores = cfg.trainer.cpu_threads or available_cores()
     engine = max(1, cores // 2) if overlap else cores
     if torch.cuda.is_available():
         return cfg.trainer.cpu_threads or None, engine
@@ -162,8 +163,9 @@ class Trainer:
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        self.rewards = RewardRunner(REWARDS[cfg.reward.name], cfg.reward.workers, cfg.reward.timeout_s,
-                                    name=f"reward {cfg.reward.name}")
+        rc = cfg.reward
+        self.rewards = RewardRunner(REWARDS[rc.name], rc.workers, rc.timeout_s, name=f"reward {rc.name}",
+                                    fallback=rc.fallback, min_value=rc.min_value, max_value=rc.max_value)
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
@@ -191,6 +193,7 @@ class Trainer:
             self.resume()  # last: the random states it restores must not be consumed by set-up
         # Events of steps after the checkpoint (a run that died past it) are dropped from TensorBoard.
         self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
+        self.trained = TrainedBatches(self.run_dir, first_step=self.start_step)
         logger.info("run directory: %s", self.run_dir)
 
     async def run_on_learners(self, name: str, *args: Any) -> Any:
@@ -291,7 +294,9 @@ class Trainer:
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
         """Runs on the learner thread while rollouts continue."""
-        return self.train_on([g.ticket.prompt for g in groups], [g.trajectories for g in groups], version)
+        metrics = self.train_on([g.ticket.prompt for g in groups], [g.trajectories for g in groups], version)
+        self.trained.write(version + 1, version, groups)
+        return metrics
 
     async def publish(self, version: int) -> None:
         with self.timeline.span("sync", version=version):
@@ -323,6 +328,8 @@ class Trainer:
         self.prompts.skip(state["prompts_drawn"])
         self.ledger.load_state_dict(state["ledger"])
         restore_rng(state["rng"])
+        if "saved_at" in state:  # the dead run's spans after its checkpoint are for work done again
+            forget_spans_after(self.run_dir / "timeline.jsonl", state["saved_at"], state["step"], self.version)
         engine_state = state.get("engine_sampling_state")
         self._engine_sampling_state = bytes.fromhex(engine_state) if engine_state else None
         logger.info("resumed from %s: step %d, policy version %d", path, state["step"], self.version)
@@ -335,6 +342,7 @@ class Trainer:
             "ledger": self.ledger.state_dict(),
             "rng": capture_rng(),
             "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
+            "saved_at": time.time(),
         }
         with self.timeline.span("checkpoint", step=step):
             path = await self.run_on_learners("save", str(self.run_dir / "checkpoints"), step, state,
@@ -426,11 +434,13 @@ class Trainer:
             self.log_ledger()
             self.learners.close()  # the other learner ranks leave their loop
             self.metrics.close()
+            self.trained.close()
             self.timeline.close()
             self.samples.close()
             self.rewards.close()
             # After a failure the learner thread may be stuck in a collective with a dead rank.
             self.learner_executor.shutdown(wait=finished)
+            uninstall_stop_handlers()  # the run is over: a TERM from now on ends the process
         logger.info("done: reward %.3f (first steps) -> %.3f (last steps); run dir %s",
                     summary["reward_first"], summary["reward_last"], self.run_dir)
         return summary
