@@ -47,11 +47,6 @@ _signalled = False
 
 def _on_signal(signum, frame) -> None:
     global _signalled
-    if _signalled and signum == signal.SIGTERM:
-        # A second TERM: whoever sent it will not wait for the step to end.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        return
     logger.warning("received %s: stopping after this step with a checkpoint", signal.Signals(signum).name)
     _signalled = True
 
