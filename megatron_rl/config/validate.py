@@ -235,7 +235,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
 
         lc = cfg.learner
         problems = (layout_problems(m, lc.tp, lc.pp, lc.ep)
-                    + layout_problems(m, cfg.rollout.tp, prefix="rollout"))
+                    + layout_problems(m, cfg.rollout.tp, prefix="rollout."))
         if problems:
             raise ConfigError(problems[0])
     if distributed and cfg.rollout.engine == "vllm":

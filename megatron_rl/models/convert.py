@@ -49,7 +49,7 @@ def check_layout(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1, ep
     """Raise ConversionError if the model cannot be split at this TP/PP/EP layout."""
     from .layout import layout_problems
 
-    problems = layout_problems(cfg, tp, pp, ep, prefix="layout", vocab_size=vocab_size)
+    problems = layout_problems(cfg, tp, pp, ep, prefix="--", vocab_size=vocab_size)
     if problems:
         raise ConversionError(f"cannot use layout tp={tp} pp={pp} ep={ep}: " + "; ".join(problems))
 
