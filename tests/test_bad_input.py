@@ -38,6 +38,8 @@ def _one_error_line(capsys, prog="megatron_rl"):
     (["learner.lr=nan"], "learner.lr=nan is not a finite number"),
     (["reward.timeout_s=inf"], "reward.timeout_s=inf is not a finite number"),
     (["recipe=tiny_gpu"], "recipe=tiny_gpu not found (no tiny_gpu.yaml in"),
+    (["learner.lr"], "'learner.lr' is not an override (command line): write key=value"),
+    (["reward.min_value=1", "reward.max_value=0"], "reward.min_value=1.0 must be <= reward.max_value=0.0"),
 ])
 def test_config_errors_are_one_line(capsys, overrides, message):
     assert train_main([*overrides, "--print-config"]) == 2
@@ -112,7 +114,10 @@ def test_resume_false_refuses_to_overwrite_a_run(capsys, tmp_path):
      "learner.pp=3 must divide model.num_layers=2 (each stage holds whole layers): use learner.pp in [1, 2]"),
     (["--world-size", "4", "learner.ep=2", "model.family=mixtral", "model.num_experts=3", "model.moe_router_topk=1",
       "rollout.engines=2"], "learner.ep=2 must divide model.num_experts=3: use learner.ep in [1, 3]"),
+    (["--world-size", "2", "learner.ep=2", "rollout.placement=colocated", "rollout.engines=2"],
+     "learner.ep=2 needs a mixture-of-experts model (model.num_experts=0): use learner.ep=1"),
     (["--world-size", "0"], "the world size (0) and the GPUs per node (0) must be >= 1"),
+    (["--world-size", "four"], "--world-size and --gpus-per-node take an integer (command line)"),
 ])
 def test_launch_dry_run_refuses_layouts_the_model_cannot_take(capsys, args, message):
     assert launch_main(["--dry-run", "rollout.placement=disaggregated", *args]) == 2
@@ -135,3 +140,11 @@ def test_a_bad_input_exits_2_from_the_real_process(tmp_path):
     assert out.stderr.strip().splitlines() == [
         "megatron_rl: error: learner.lr=nan is not a finite number: give a real value (see "
         "megatron_rl/config/schema.py for its meaning)"]
+
+
+def test_unreadable_safetensors_index(tmp_path):
+    from megatron_rl.models.hf_checkpoint import ConversionError, HFTensorReader
+
+    (tmp_path / "model.safetensors.index.json").write_text("{trunc")
+    with pytest.raises(ConversionError, match="model.safetensors.index.json: not a safetensors index"):
+        HFTensorReader(tmp_path)

@@ -22,13 +22,16 @@ SMALL = ["trainer.progress=false", "algo.group_size=4", "algo.groups_per_batch=2
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), None, "1.0x", 7.0, -2.0])
-def test_unusable_reward_values_are_counted_errors_scored_as_the_fallback(value):
+def test_unusable_reward_values_are_counted_errors_scored_as_the_fallback(value, caplog):
     runner = RewardRunner(lambda c, t: 1.0 if c == "ok" else value, timeout_s=5, fallback=-0.5,
                           min_value=-1.0, max_value=1.0)
     scores = asyncio.run(runner.score_many([("ok", ""), ("bad", ""), ("ok", "")]))
     runner.close()
     assert scores == [1.0, -0.5, 1.0]
     assert runner.counts["error"] == 1 and runner.counts["ok"] == 2
+    assert "reward failed on completion 'bad': returned" in caplog.text and "scored -0.5 (reward.fallback)" in caplog.text
+    assert ("not a finite number" in caplog.text or "not a number" in caplog.text
+            or "outside [reward.min_value, reward.max_value] = [-1.0, 1.0]" in caplog.text)
 
 
 def test_gsm8k_reads_a_raw_reference_answer():
