@@ -36,6 +36,14 @@ def slurm(tmp_path_factory):
     assert started.returncode == 0, started.stderr
     os.environ["SLURM_CONF"] = str(state / "slurm.conf")
     yield state
+    # A job a failed test left running would outlive the daemons: end every job of this cluster first.
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    if jobs:
+        subprocess.run(["scancel", "--signal=KILL", "--full", *jobs], timeout=30)
+        deadline = time.time() + 30
+        while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() \
+                and time.time() < deadline:
+            time.sleep(0.5)
     subprocess.run(["bash", str(ROOT / "slurm" / "local_cluster.sh"), "stop", str(state)], timeout=30)
     os.environ.pop("SLURM_CONF", None)
 
@@ -112,9 +120,9 @@ def _running_job(run_dir: Path, *args: str, steps_first: int = 2) -> str:
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     deadline = time.time() + 300
-    while len(_rows(run_dir)) < steps_first and time.time() < deadline:
+    while ("attempt 1" not in _log(run_dir) or len(_rows(run_dir)) < steps_first) and time.time() < deadline:
         time.sleep(0.2)
-    assert len(_rows(run_dir)) >= steps_first, _log(run_dir)
+    assert "attempt 1" in _log(run_dir) and len(_rows(run_dir)) >= steps_first, _log(run_dir)
     return job_id
 
 
@@ -131,9 +139,9 @@ def _ended(run_dir: Path, job_id: str, timeout: float = 120) -> dict:
 
 
 def test_scancel_ends_the_job_for_good(slurm, tmp_path):
-    """A person's scancel (TERM to the batch shell and the job's processes): the trainer stops,
-    the job is CANCELLED and stays so; no restart."""
-    job_id = _running_job(tmp_path)
+    """A person's scancel (TERM to the batch shell and the job's processes), here while the job
+    starts: the job is CANCELLED and stays so; no restart."""
+    job_id = _running_job(tmp_path, steps_first=0)
     subprocess.run(["scancel", job_id], check=True)
     job = _ended(tmp_path, job_id)
     log = _log(tmp_path)
