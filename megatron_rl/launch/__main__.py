@@ -43,6 +43,7 @@ def _parse(args: List[str]):
 def main(argv: Optional[List[str]] = None) -> int:
     from ..config import ConfigError, load_config
     from ..errors import UserError, report
+    from ..stop import record_exit
     from .plan import plan_for
 
     args = list(sys.argv[1:] if argv is None else argv)
@@ -69,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"learner.cp={cfg.learner.cp} needs TransformerEngine's attention (CUDA); "
                                   "megatron-core's local attention has no context parallelism: use learner.cp=1")
     except UserError as err:  # ConfigError, PlacementError
-        return report(err, "megatron_rl.launch")
+        return record_exit(report(err, "megatron_rl.launch"))
     if dry_run:
         print(plan.table())
         return 0
