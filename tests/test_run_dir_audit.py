@@ -37,6 +37,8 @@ def test_staleness_bound_audited_from_the_run_directory(tmp_path):
                     lags.append(version - token_version)
                     assert version - token_version <= ETA, (row["step"], group, sample)
     print(f"token version lags seen: {sorted(set(lags))}")
+    # Rollouts admitted ahead (η = 2) train on later versions: the audit checked stale tokens too.
+    assert max(lags) >= 1, sorted(set(lags))
 
 
 def test_run_lengths():
