@@ -65,6 +65,30 @@ def checkpoint_writer_dies_with_us() -> None:
     _writer_manager = manager
 
 
+def reap_with_us(pids) -> None:
+    """Processes that we did not start ourselves (vLLM's engine core, which vLLM spawns) cannot be
+    given a parent-death signal. A small reaper process is: when this process dies, however it
+    dies, the reaper kills ``pids`` and everything under them, then exits. Call it from the
+    main thread (the kernel's parent-death signal follows the thread that made the child)."""
+    import subprocess
+
+    import psutil
+
+    targets = []
+    for pid in pids:
+        try:
+            targets.append(f"{pid}:{psutil.Process(pid).create_time()}")
+        except psutil.Error:
+            pass
+    if not targets or not sys.platform.startswith("linux"):
+        return
+    subprocess.Popen([sys.executable, "-m", "megatron_rl.reaper", str(os.getpid()), *targets],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                     # Out of the job's process group: a signal meant for the job's processes
+                     # (Ctrl-C, a group SIGTERM) must not make it kill vLLM before they stop.
+                     start_new_session=True, close_fds=True)
+
+
 def available_cores() -> int:
     """Cores this process may use: the job's allocation on this node (``MEGATRON_RL_CPUS``, set by
     the sbatch script), else the CPU affinity (a container's or taskset's), never the whole node's."""

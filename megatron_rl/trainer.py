@@ -39,7 +39,7 @@ from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.workflow import WORKFLOWS
-from .rollout.engine import EngineError, RolloutEngine
+from .rollout.engine import EngineError, RolloutEngine, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
@@ -204,6 +204,26 @@ class Trainer:
     # ------------------------------------------------------------------ pieces of a step
     async def sync_weights(self) -> None:
         self._sync_metrics = await self.transport.push(self.version)
+        if self.cfg.rollout.check_sync:
+            self._sync_metrics["sync/probe_gap"] = await self.probe_engines()
+
+    async def probe_engines(self, new_tokens: int = 8) -> float:
+        """Every engine samples a fixed probe with the version just pushed; the learner scores the
+        same tokens. Returns the largest |engine - learner| logprob gap over all engines."""
+        engines = self._remote_engines or getattr(self.engine, "engines", None) or [self.engine]
+        prompt = [1 + i % (self.worker.vocab_size - 1) for i in range(8)]
+        params = SamplingParams(self.cfg.rollout.temperature, max_new_tokens=new_tokens, stream=False,
+                                seed=self.cfg.trainer.seed)
+        responses = await asyncio.gather(*(whole_response(e.generate(f"probe-v{self.version}-e{i}", prompt, params))
+                                           for i, e in enumerate(engines)))
+        trajs = [Trajectory("probe", i, prompt, r.token_ids, r.logprobs, r.versions, r.finish_reason or "length")
+                 for i, r in enumerate(responses)]
+        stale = [t.versions for t in trajs if set(t.versions) != {self.version}]
+        if stale:
+            raise EngineError(f"an engine answered the sync probe with weights of versions {stale[0]}, "
+                              f"not the v{self.version} just pushed")
+        ours = await self.run_on_learners("logprobs", trajs, self.cfg.rollout.temperature)
+        return max(abs(a - b) for t, row in zip(trajs, ours) for a, b in zip(t.logprobs, row))
 
     async def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
         await score_groups(self.rewards, self.tokenizer.decode_response, [p.target for p in prompts], groups,

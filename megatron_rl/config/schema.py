@@ -152,6 +152,16 @@ class RolloutConfig:
     # for learner on cuda:0 and engine on cuda:1: disaggregated on one machine). Needs
     # separate_process=true; a GPU the machine lacks is an error when the engine starts.
     device: str = "auto"
+    # How new weights reach vLLM engines: broadcast (buckets over a process group that vLLM's
+    # workers join: gloo on CPUs, NCCL on GPUs; no file) | file (a safetensors file in /dev/shm,
+    # reloaded; the fallback). Embedded engines take them in memory either way.
+    weight_transport: str = "broadcast"
+    # A weight transfer to an engine that takes longer than this fails the run (seconds).
+    weight_timeout_s: float = 600.0
+    # After each weight update, every engine samples a short fixed probe and the learner scores
+    # the same tokens: the largest logprob gap is logged as sync/probe_gap (a check that the
+    # engines serve the learner's weights; costs one small request and forward per update).
+    check_sync: bool = False
 
 
 @dataclass

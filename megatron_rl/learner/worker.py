@@ -117,6 +117,10 @@ class LearnerWorker:
             stats = send_weights(self.learner.module, self.cfg.model, self.sync_groups, version)
         return stats.seconds if stats is not None else None
 
+    def logprobs(self, trajs: List[Trajectory], temperature: float) -> List[List[float]]:
+        """Per-token logprobs of ``trajs`` under the current weights (every learner rank runs it)."""
+        return self.learner.compute_logprobs(trajs, temperature)
+
     def load_local_engine(self, version: int) -> None:
         """Colocated: gather the full weights on every rank and load them into its own engine."""
         engine, loop = self.local_engine

@@ -48,4 +48,4 @@ def build_vllm(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: Thr
 
     r = cfg.rollout
     return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                      tp=r.tp)
+                      tp=r.tp, weight_transport=r.weight_transport, weight_timeout_s=r.weight_timeout_s)

@@ -190,6 +190,10 @@ class EngineClient(RolloutEngine):
     def _exit_reason(self, how: str) -> str:
         return f"{self.name} is gone ({how})"
 
+    def _failed_reason(self, reason: str) -> str:
+        """The server said its engine is gone (its process lives on)."""
+        return f"{self.name} is gone ({reason})"
+
     # ------------------------------------------------------------------ plumbing
     def _send(self, message: tuple) -> None:
         """Send now, after any posted requests (the server sees messages in the order made)."""
@@ -282,6 +286,8 @@ class EngineClient(RolloutEngine):
                     future.set_exception(EngineError(error))
         elif kind == "stats":
             self.stats = message[1]
+        elif kind == "engine_failed":
+            self._fail(self._failed_reason(message[1]))
 
     def _fail(self, reason: str) -> None:
         if self._failure is not None:

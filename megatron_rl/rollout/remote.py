@@ -49,11 +49,13 @@ class RemoteEngine(EngineClient):
         super().__init__(conn, name=f"engine on rank {rank}", call_timeout_s=call_timeout_s)
         self.rank = rank
 
-    async def receive_weights(self, version: int) -> None:
+    async def receive_weights(self, version: int) -> Optional[float]:
         """The engine takes policy ``version`` from the weight-sync groups (while it keeps
-        generating), then swaps it in whole: pause(keep), load, resume."""
-        await self._call("receive_weights", version)
+        generating), then swaps it in whole: pause(keep), load, resume. Returns the seconds the
+        receive took there."""
+        seconds = await self._call("receive_weights", version)
         self._version = version
+        return seconds
 
     async def open_timeline(self, run_dir: str) -> None:
         """The engine rank adds its spans (weight receive, swap) to the run's timeline."""
@@ -65,3 +67,6 @@ class RemoteEngine(EngineClient):
 
     def _exit_reason(self, how: str) -> str:
         return f"the engine on rank {self.rank} is gone ({how}); that rank died or was killed"
+
+    def _failed_reason(self, reason: str) -> str:
+        return f"the engine on rank {self.rank} is gone ({reason})"

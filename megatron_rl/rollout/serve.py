@@ -11,7 +11,8 @@ Messages down: ``("generate", request_id, prompt_ids, params)``, ``("generate_n"
 request_ids, prompt_ids, params)``, ``("abort", ids | None)``, ``("call", call_id, name, args)``.
 Messages up: ``("chunk", request_id, chunk)``, ``("error", request_id, text)``, ``("group", key,
 responses)``, ``("group_error", key, text)``, ``("reply", call_id, error, stats, result)``,
-``("stats", stats)``. Any of them may arrive inside a ``("batch", [...])``.
+``("stats", stats)``, ``("engine_failed", reason)`` (the engine behind the server is gone, e.g. vLLM's
+engine core died while this process lives on). Any of them may arrive inside a ``("batch", [...])``.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class EngineServer:
         # Chunks finished in one event-loop turn (often a whole decode step's worth of requests)
         # go up together, followed by the engine's counters once.
         self.outbox = Outbox(self.send, trailer=lambda: ("stats", self.engine.stats))
+        self._failure_reported = False
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -127,6 +129,7 @@ class EngineServer:
             result = await getattr(self.engine, name)(*args)
         except Exception as err:  # noqa: BLE001 - the client raises it
             error = f"{name} failed in the engine: {err}"
+            self.report_failure()
         if name == "shutdown":
             # Requests finish (aborted or done) first. An extra call still running is not waited
             # for: a weight receive whose sender died would block until the group's timeout.
@@ -151,6 +154,7 @@ class EngineServer:
                 self.outbox.post(("chunk", request_id, chunk))
         except Exception as err:  # noqa: BLE001 - the client raises it for this request
             self.outbox.post(("error", request_id, str(err)))
+            self.report_failure()
         finally:
             self.tasks.pop(request_id, None)
 
@@ -159,8 +163,17 @@ class EngineServer:
             self.outbox.post(("group", key, await responses))
         except Exception as err:  # noqa: BLE001 - the client raises it for this group
             self.outbox.post(("group_error", key, str(err)))
+            self.report_failure()
         finally:
             self.tasks.pop(f"group-{key}", None)
+
+    def report_failure(self) -> None:
+        """Once the engine says it is gone (``failure``), tell the client: a failed request alone
+        does not say whether the engine can still serve others."""
+        reason = getattr(self.engine, "failure", None)
+        if reason and not self._failure_reported:
+            self._failure_reported = True
+            self.outbox.post(("engine_failed", reason))
 
     def reply(self, message: tuple) -> None:
         """A call's reply goes now, after the chunks posted before it."""

@@ -19,7 +19,8 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..config.schema import ModelConfig
-from .sync import DEFAULT_BUCKET_BYTES, SyncStats, _buckets, _hf_tensors
+from .buckets import DEFAULT_BUCKET_BYTES, SyncStats, buckets
+from .sync import _hf_tensors
 
 
 def version_dir(directory: Path, version: int) -> Path:
@@ -36,7 +37,7 @@ def write_stage(named: Iterator[Tuple[str, torch.Tensor]], directory: Path, vers
     stats = SyncStats(version)
     start = time.perf_counter()
     shards: List[Dict[str, object]] = []
-    for k, bucket in enumerate(_buckets(named, bucket_bytes)):
+    for k, bucket in enumerate(buckets(named, bucket_bytes)):
         name = f"stage{stage}-{k:05d}.safetensors"
         save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(out / name), metadata={"version": str(version)})
         shards.append({"file": name, "names": [n for n, _ in bucket]})

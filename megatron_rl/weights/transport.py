@@ -25,7 +25,8 @@ class InProcessTransport:
     async def push(self, version: int) -> Dict[str, float]:
         start = time.perf_counter()
         await self.engine.swap_weights(self.worker.hf_weights(), version)
-        return {"sync/seconds": time.perf_counter() - start}
+        # The engine's own figures, where it keeps them (vLLM: seconds and bytes of the transfer).
+        return {"sync/seconds": time.perf_counter() - start, **getattr(self.engine, "last_sync", {})}
 
 
 class BroadcastTransport:
@@ -44,11 +45,14 @@ class BroadcastTransport:
             if engine.failure:  # a broadcast to a dead rank would leave the others waiting in it
                 raise EngineError(engine.failure)
         start = time.perf_counter()
-        sent, *_ = await asyncio.gather(self.run_on_learners("send_weights", version),
-                                        *(e.receive_weights(version) for e in self.engines))
+        sent, *received = await asyncio.gather(self.run_on_learners("send_weights", version),
+                                               *(e.receive_weights(version) for e in self.engines))
         out = {"sync/seconds": time.perf_counter() - start}
         if sent is not None:
             out["sync/send_s"] = sent
+        received = [r for r in received if r is not None]
+        if received:  # the slowest engine's receive (while it kept generating)
+            out["sync/receive_s"] = max(received)
         return out
 
 

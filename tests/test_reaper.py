@@ -1,0 +1,57 @@
+"""A process we did not start ourselves (vLLM's engine core) dies with us: ``reap_with_us``'s
+reaper kills it, and what runs under it, when its owner is SIGKILLed; a pid that now names
+another process is left alone."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from world_runs import alive, alive_after
+
+OWNER = textwrap.dedent("""
+    import subprocess, sys, time
+    from megatron_rl.lifetime import reap_with_us
+    # An "engine core" in a session of its own (as vLLM's is out of our reach), with a child.
+    core = subprocess.Popen([sys.executable, "-c",
+                             "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)']); time.sleep(300)"],
+                            start_new_session=True)
+    time.sleep(1.0)
+    reap_with_us([core.pid])
+    print(core.pid, flush=True)
+    time.sleep(300)
+""")
+
+
+def _children(pid: int):
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def test_killed_owner_takes_the_processes_it_did_not_start_with_it():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        core = int(owner.stdout.readline())
+        tree = [core, *_children(core)]
+        assert len(tree) == 2 and alive(tree)
+        os.kill(owner.pid, signal.SIGKILL)
+        owner.wait()
+        assert not alive_after(tree, 10), "the engine core outlived its killed owner"
+    finally:
+        for pid in alive([owner.pid]):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_reaper_leaves_a_reused_pid_alone():
+    from megatron_rl.reaper import _kill_trees
+
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _kill_trees([(bystander.pid, time.time() - 1000.0)])  # recorded start time of another process
+        time.sleep(0.3)
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
