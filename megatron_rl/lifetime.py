@@ -87,3 +87,15 @@ def reap_with_us(pids) -> None:
                      # Out of the job's process group: a signal meant for the job's processes
                      # (Ctrl-C, a group SIGTERM) must not make it kill vLLM before they stop.
                      start_new_session=True, close_fds=True)
+
+
+def available_cores() -> int:
+    """Cores this process may use: the job's allocation on this node (``MEGATRON_RL_CPUS``, set by
+    the sbatch script), else the CPU affinity (a container's or taskset's), never the whole node's."""
+    allocated = os.environ.get("MEGATRON_RL_CPUS", "")
+    if allocated.isdigit() and int(allocated) > 0:
+        return int(allocated)
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

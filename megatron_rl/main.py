@@ -19,34 +19,38 @@ USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] 
 
 def run_guarded(run: Callable[[], Optional[dict]], prog: str = "megatron_rl") -> int:
     """Run a trainer; errors a user can act on become one line on stderr and an exit status:
-    2 for config, data and resume errors, 1 for a run that had to stop (an engine or a rank
-    gone), ``STOPPED_EXIT`` for a stop on request (checkpoint written)."""
-    from .checkpoint.resume import ResumeError
-    from .config import ConfigError
-    from .data.datasets import DatasetError
+    2 for a ``UserError`` (config, data, checkpoint, run directory), 1 for a run that had to stop
+    (an engine or a rank gone), ``STOPPED_EXIT`` for a stop on request (checkpoint written).
+    The status is also written where ``MEGATRON_RL_EXIT_FILE`` says (``stop.record_exit``): torchrun
+    reports any failed rank as 1, and the batch script decides from the trainer's own status."""
+    from .errors import UserError, report
     from .learner.group import LearnerRanksFailed
     from .plugins import PluginError
     from .scheduler.controller import RolloutsStopped
-    from .stop import STOPPED_EXIT, StopRequested
+    from .stop import STOPPED_EXIT, StopRequested, record_exit
 
     try:
         summary = run()
-    except (ConfigError, DatasetError, ResumeError, PluginError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    except (UserError, PluginError) as err:
+        return record_exit(report(err, prog))
     except (RolloutsStopped, LearnerRanksFailed) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
-        return 1
+        return record_exit(1)
     except StopRequested as err:
         print(f"{prog}: {err}", file=sys.stderr)
-        return STOPPED_EXIT
+        return record_exit(STOPPED_EXIT)
+    except BaseException:
+        record_exit(1)
+        raise
     if summary is not None:
         print(json.dumps(summary))
-    return 0
+    return record_exit(0)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     from .config import ConfigError, load_config
+    from .errors import report
+    from .stop import record_exit
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -63,8 +67,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(recipe, overrides)
     except ConfigError as err:
-        print(f"megatron_rl: error: {err}", file=sys.stderr)
-        return 2
+        return record_exit(report(err))
     cfg.trainer.recipe = recipe
     if print_only:
         from omegaconf import OmegaConf

@@ -9,6 +9,7 @@ processes under srun and torchrun, a file on the shared filesystem does)."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -17,6 +18,21 @@ logger = logging.getLogger(__name__)
 STOP_FILE = ".stop_requested"
 # The exit status of a trainer that stopped on request after writing its checkpoint.
 STOPPED_EXIT = 3
+# Where the driver writes its exit status (set by the sbatch script): torchrun turns any failed
+# rank's status into 1, so STOPPED_EXIT reaches the batch shell only through this file.
+EXIT_FILE_ENV = "MEGATRON_RL_EXIT_FILE"
+
+
+def record_exit(status: int) -> int:
+    """Write ``status`` to the file ``$MEGATRON_RL_EXIT_FILE`` names (the driver, rank 0, only)
+    and return it."""
+    path = os.environ.get(EXIT_FILE_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        try:
+            Path(path).write_text(f"{status}\n")
+        except OSError as err:
+            logger.warning("could not record the exit status in %s: %s", path, err)
+    return status
 
 
 class StopRequested(Exception):
@@ -41,6 +57,16 @@ def install_stop_handlers() -> None:
         try:
             signal.signal(sig, _on_signal)
         except ValueError:  # not the main thread (e.g. a test driving the trainer): file only
+            pass
+
+
+def uninstall_stop_handlers() -> None:
+    """The default actions again (a finished run has no step to stop after: TERM ends the process)."""
+    for sig in (signal.SIGUSR1, signal.SIGTERM):
+        try:
+            if signal.getsignal(sig) is _on_signal:
+                signal.signal(sig, signal.SIG_DFL)
+        except ValueError:
             pass
 
 

@@ -30,6 +30,7 @@ from .config.validate import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.group import LearnerGroup
+from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
@@ -43,9 +44,9 @@ from .rollout.engine import EngineError, RolloutEngine, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
-from .stop import StopRequested, StopWatch
+from .stop import StopRequested, StopWatch, uninstall_stop_handlers
 from .telemetry.gpu import GpuTelemetry
-from .telemetry.metrics import MetricsWriter, Timeline
+from .telemetry.metrics import MetricsWriter, Timeline, TrainedBatches, forget_spans_after
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
 from .types import SamplingParams, Trajectory
@@ -68,7 +69,7 @@ def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]
     other and run ~2.5x slower (measured on 2 cores). In one process the half is shared (torch's
     setting is process-wide); an engine in its own process leaves the learner the other half.
     On GPU this process keeps torch's default unless ``trainer.cpu_threads`` is set."""
-    cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
+    cores = cfg.trainer.cpu_threads or available_cores()
     engine = max(1, cores // 2) if overlap else cores
     if torch.cuda.is_available():
         return cfg.trainer.cpu_threads or None, engine
@@ -164,8 +165,10 @@ class Trainer:
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        reward_fn, reward_label = build_reward(cfg.reward)
-        self.rewards = RewardRunner(reward_fn, cfg.reward.workers, cfg.reward.timeout_s, name=reward_label)
+        rc = cfg.reward
+        reward_fn, reward_label = build_reward(rc)
+        self.rewards = RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label,
+                                    fallback=rc.fallback, min_value=rc.min_value, max_value=rc.max_value)
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
@@ -195,6 +198,7 @@ class Trainer:
         self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
         # Per-step GPU utilisation, memory, power, clocks (telemetry/gpu.py); empty without a GPU.
         self.gpu_telemetry = GpuTelemetry(cfg.trainer.gpu_telemetry_interval_s).start()
+        self.trained = TrainedBatches(self.run_dir, first_step=self.start_step)
         logger.info("run directory: %s", self.run_dir)
 
     async def run_on_learners(self, name: str, *args: Any) -> Any:
@@ -315,7 +319,9 @@ class Trainer:
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
         """Runs on the learner thread while rollouts continue."""
-        return self.train_on([g.ticket.prompt for g in groups], [g.trajectories for g in groups], version)
+        metrics = self.train_on([g.ticket.prompt for g in groups], [g.trajectories for g in groups], version)
+        self.trained.write(version + 1, version, groups)
+        return metrics
 
     async def publish(self, version: int) -> None:
         with self.timeline.span("sync", version=version):
@@ -347,6 +353,8 @@ class Trainer:
         self.prompts.skip(state["prompts_drawn"])
         self.ledger.load_state_dict(state["ledger"])
         restore_rng(state["rng"])
+        if "saved_at" in state:  # the dead run's spans after its checkpoint are for work done again
+            forget_spans_after(self.run_dir / "timeline.jsonl", state["saved_at"], state["step"], self.version)
         engine_state = state.get("engine_sampling_state")
         self._engine_sampling_state = bytes.fromhex(engine_state) if engine_state else None
         logger.info("resumed from %s: step %d, policy version %d", path, state["step"], self.version)
@@ -359,6 +367,7 @@ class Trainer:
             "ledger": self.ledger.state_dict(),
             "rng": capture_rng(),
             "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
+            "saved_at": time.time(),
         }
         with self.timeline.span("checkpoint", step=step):
             path = await self.run_on_learners("save", str(self.run_dir / "checkpoints"), step, state,
@@ -452,11 +461,13 @@ class Trainer:
             self.learners.close()  # the other learner ranks leave their loop
             self.metrics.close()
             self.gpu_telemetry.close()
+            self.trained.close()
             self.timeline.close()
             self.samples.close()
             self.rewards.close()
             # After a failure the learner thread may be stuck in a collective with a dead rank.
             self.learner_executor.shutdown(wait=finished)
+            uninstall_stop_handlers()  # the run is over: a TERM from now on ends the process
         logger.info("done: reward %.3f (first steps) -> %.3f (last steps); run dir %s",
                     summary["reward_first"], summary["reward_last"], self.run_dir)
         return summary

@@ -154,7 +154,7 @@ def test_error_layout_that_does_not_divide(megatron_world, tmp_path):
     from megatron_rl.models.hf_checkpoint import ConversionError
 
     save_random_hf_model("qwen3", tmp_path / "hf")
-    with pytest.raises(ConversionError, match="num_key_value_heads=2 is not divisible by tp=4"):
+    with pytest.raises(ConversionError, match=r"--tp=4 must divide model.num_attention_heads=4 and model.num_query_groups=2"):
         hf_to_megatron_checkpoint(tmp_path / "hf", tmp_path / "out", layout=(4, 1, 1))
 
 

@@ -98,7 +98,7 @@ def test_unreadable_newest_checkpoint_falls_back_with_a_warning(tmp_path):
 def test_no_loadable_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     (tmp_path / "step_3").mkdir()
     (tmp_path / "step_3" / "trainer_state.json").write_text("{truncated")
-    with pytest.raises(ResumeError, match="trainer.resume=false"):
+    with pytest.raises(ResumeError, match="start a new run directory"):
         load_newest_good(tmp_path, lambda path: {})
     assert load_newest_good(tmp_path / "none", lambda path: {}) is None
 

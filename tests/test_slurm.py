@@ -1,6 +1,7 @@
 """The Slurm path for real: a single-node Slurm (Debian's slurmctld + slurmd + munge) started on
 localhost, the tiny_cpu recipe submitted with the submit tool, and a preemption warning that
-makes the job checkpoint, requeue itself and finish from its checkpoint.
+makes the job checkpoint, requeue itself and finish from its checkpoint; a person's ``scancel``
+ends the job for good, and a crash is not requeued.
 
 Without Slurm installed these tests skip with the reason, unless MEGATRON_RL_REQUIRE_SLURM=1
 (CI installs Slurm and sets it), in which case they fail."""
@@ -35,6 +36,14 @@ def slurm(tmp_path_factory):
     assert started.returncode == 0, started.stderr
     os.environ["SLURM_CONF"] = str(state / "slurm.conf")
     yield state
+    # A job a failed test left running would outlive the daemons: end every job of this cluster first.
+    jobs = subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    if jobs:
+        subprocess.run(["scancel", "--signal=KILL", "--full", *jobs], timeout=30)
+        deadline = time.time() + 30
+        while subprocess.run(["squeue", "-h", "-o", "%i"], capture_output=True, text=True).stdout.split() \
+                and time.time() < deadline:
+            time.sleep(0.5)
     subprocess.run(["bash", str(ROOT / "slurm" / "local_cluster.sh"), "stop", str(state)], timeout=30)
     os.environ.pop("SLURM_CONF", None)
 
@@ -65,8 +74,15 @@ def test_dry_run_prints_the_batch_script(tmp_path):
     for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --partition=gpu",
                  "#SBATCH --time=04:00:00", "#SBATCH --signal=B:USR1@120", "#SBATCH --requeue",
                  f"#SBATCH --output={tmp_path}/slurm/slurm-%j.out", "--nproc-per-node=8", "--rdzv-backend=c10d",
-                 f"trainer.run_dir={tmp_path}", "algo.group_size=4", "scontrol requeue", "-m megatron_rl.launch"):
+                 f"trainer.run_dir={tmp_path}", "algo.group_size=4", "scontrol requeue", "-m megatron_rl.launch",
+                 # the trainer's own status decides the requeue; TERM (scancel) never requeues
+                 f'export MEGATRON_RL_EXIT_FILE="$RUN_DIR/slurm/exit-status-$SLURM_JOB_ID"', "trap on_cancel TERM",
+                 '[ "$status" -eq 3 ] && [ "$warned" -eq 1 ] && [ "$cancelled" -eq 0 ]',
+                 # threads from the job's allocation, a rendezvous port per job
+                 "CORES=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}",
+                 "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))"):
         assert line in script, line
+    assert "trap request_stop USR1 TERM" not in script and "29500" not in script
     assert not (tmp_path / "slurm").exists()  # a dry run writes nothing
 
 
@@ -74,10 +90,15 @@ def test_bad_arguments_fail_before_submitting(tmp_path):
     for args, message in ((["nodes=two"], "nodes='two' must be an integer"),
                           (["algo.name=nope"], "algo.name='nope' is not allowed"),
                           (["procs_per_node=3", "learner.tp=2", "rollout.engines=2", "rollout.placement=disaggregated"],
-                           "cannot place this job on 3 ranks")):
+                           "cannot place this job on 3 ranks"),
+                          (["time=banana"], "time='banana' is not a Slurm time limit (job argument): write minutes, "
+                                            "HH:MM:SS or D-HH:MM:SS, e.g. time=04:00:00"),
+                          (["data.name=gsm8k", "data.path=no/such/train.jsonl"],
+                           "data.path='no/such/train.jsonl': file not found (checked at submit, from")):
         out = subprocess.run([sys.executable, "-m", "megatron_rl.slurm", "submit", *args, "--dry-run"],
                              capture_output=True, text=True, cwd=ROOT)
-        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
 def test_submitted_tiny_cpu_job_completes_and_learns(slurm, tmp_path):
@@ -91,6 +112,55 @@ def test_submitted_tiny_cpu_job_completes_and_learns(slurm, tmp_path):
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     print(f"slurm job {job_id}: reward {first:.3f} -> {last:.3f}")
     assert last >= first + 0.2, (first, last)
+
+
+def _running_job(run_dir: Path, *args: str, steps_first: int = 2) -> str:
+    """Submit a long tiny_cpu job and return its id once it has made ``steps_first`` steps."""
+    result = _submit(run_dir, "trainer.total_steps=100000", "cpus_per_task=2", "trainer.checkpoint_interval=0", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
+    deadline = time.time() + 300
+    while ("attempt 1" not in _log(run_dir) or len(_rows(run_dir)) < steps_first) and time.time() < deadline:
+        time.sleep(0.2)
+    assert "attempt 1" in _log(run_dir) and len(_rows(run_dir)) >= steps_first, _log(run_dir)
+    return job_id
+
+
+def _ended(run_dir: Path, job_id: str, timeout: float = 120) -> dict:
+    """The job once its batch script has finished (its last line is written), and a few seconds
+    later, so that a requeue it asked for would show."""
+    deadline = time.time() + timeout
+    while "training ended with status" not in _log(run_dir) and time.time() < deadline:
+        time.sleep(0.5)
+    while "COMPLETING" in _job(job_id).get("JobState", "") + _job(job_id).get("Reason", "") and time.time() < deadline:
+        time.sleep(0.5)
+    time.sleep(5)
+    return _job(job_id)
+
+
+def test_scancel_ends_the_job_for_good(slurm, tmp_path):
+    """A person's scancel (TERM to the batch shell and the job's processes), here while the job
+    starts: the job is CANCELLED and stays so; no restart."""
+    job_id = _running_job(tmp_path, steps_first=0)
+    subprocess.run(["scancel", job_id], check=True)
+    job = _ended(tmp_path, job_id)
+    log = _log(tmp_path)
+    assert job.get("JobState") == "CANCELLED" and job.get("Restarts") == "0", (job, log)
+    assert "cancelled (TERM)" in log and "requeueing" not in log and "attempt 2" not in log, log
+
+
+def test_a_crash_after_the_warning_is_not_requeued(slurm, tmp_path):
+    """Warned (USR1), the trainer fails to write its stop checkpoint: the job fails with the
+    trainer's status, and is not requeued (nor does the log claim a checkpoint)."""
+    job_id = _running_job(tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    shutil.rmtree(checkpoints)
+    checkpoints.write_text("not a directory: the stop checkpoint cannot be written")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+    job = _ended(tmp_path, job_id)
+    log = _log(tmp_path)
+    assert job.get("JobState") == "FAILED" and job.get("Restarts") == "0", (job, log)
+    assert "training ended with status 1" in log and "checkpoint written" not in log, log
 
 
 WORLD = ("procs_per_node=4", "learner.tp=2", "rollout.engines=2", "rollout.placement=disaggregated")

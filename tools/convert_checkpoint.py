@@ -131,8 +131,7 @@ def run(args: argparse.Namespace) -> Path:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from megatron_rl.models.hf_checkpoint import ConversionError
-    from megatron_rl.models.hf_config import UnsupportedConfigError
+    from megatron_rl.errors import UserError, report
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="convert_checkpoint: %(message)s")
@@ -142,9 +141,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         warnings.filterwarnings("ignore")
     try:
         out = run(args)
-    except (ConversionError, UnsupportedConfigError, FileNotFoundError) as err:
-        print(f"convert_checkpoint: error: {err}", file=sys.stderr)
-        return 2
+    except (UserError, FileNotFoundError) as err:  # ConversionError, UnsupportedConfigError among them
+        return report(err, "convert_checkpoint")
     print(f"convert_checkpoint: wrote {out}")
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Dict, List
 
@@ -17,9 +18,27 @@ COLOURS = {"generate": "#4e79a7", "reward": "#f28e2b", "train": "#59a14f", "sync
            "checkpoint": "#9c755f"}
 
 
+class TimelineError(ValueError):
+    """No timeline to draw; the message says where it was looked for and what to pass."""
+
+
 def load_spans(run_dir: Path) -> List[Dict]:
     path = run_dir / "timeline.jsonl" if run_dir.is_dir() else run_dir
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not path.is_file():
+        raise TimelineError(f"no timeline at {path}: pass a run directory (trainer.run_dir) that holds "
+                            "timeline.jsonl, or the timeline.jsonl file itself")
+    spans = []
+    for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            spans.append(json.loads(line))
+        except ValueError:
+            raise TimelineError(f"{path}:{lineno}: not a JSON span; delete that line (a run killed "
+                                "mid-write leaves a torn last line)") from None
+    if not spans:
+        raise TimelineError(f"{path} has no spans yet: plot it once the run has made a step")
+    return spans
 
 
 def lane_of(span: Dict) -> str:
@@ -60,7 +79,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="SVG path (default <run_dir>/timeline.svg)")
     parser.add_argument("--last-seconds", type=float, default=0.0, help="draw only the last N seconds")
     args = parser.parse_args()
-    spans = load_spans(args.run_dir)
+    try:
+        spans = load_spans(args.run_dir)
+    except TimelineError as err:
+        print(f"plot_timeline: error: {err}", file=sys.stderr)
+        sys.exit(2)
     if args.last_seconds > 0:
         end = max(s["end"] for s in spans)
         spans = [s for s in spans if s["end"] >= end - args.last_seconds]

@@ -14,12 +14,14 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 import numpy as np
 import torch
 
+from ..errors import UserError
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class ResumeError(RuntimeError):
+class ResumeError(UserError, RuntimeError):
     """Checkpoints exist but none can be loaded; the message says what to do."""
 
 
@@ -108,5 +110,5 @@ def load_newest_good(root: Path, load: Callable[[Path], Dict[str, Any]]) -> Opti
         return path, state
     if failures:
         raise ResumeError(f"no checkpoint under {root} can be loaded ({'; '.join(failures)}); move them away "
-                           "or start a new run directory (trainer.run_dir=...) or set trainer.resume=false")
+                           "(the run then starts afresh) or start a new run directory (trainer.run_dir=...)")
     return None

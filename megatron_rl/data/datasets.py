@@ -12,12 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
+from ..errors import UserError
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """A dataset file that cannot be used; the message names the file, the line and the fix."""
 
 
@@ -37,8 +38,14 @@ def read_jsonl(path: str, required: Sequence[str]) -> List[Dict]:
         raise DatasetError(f"data.path={path!r}: file not found (GSM8K ships at "
                            "../shared/data/gsm8k/train.jsonl; pass data.path=<file>)")
     rows = []
-    with file.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
+    with file.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                                   f"{err.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8 "
+                                   f"{path} > fixed.jsonl") from None
             if not line.strip():
                 continue
             try:

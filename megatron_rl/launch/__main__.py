@@ -42,7 +42,9 @@ def _parse(args: List[str]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     from ..config import ConfigError, load_config
-    from .plan import PlacementError, plan_for
+    from ..errors import UserError, report
+    from ..stop import record_exit
+    from .plan import plan_for
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):
@@ -51,10 +53,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         dry_run, world, per_node, recipe, overrides = _parse(args)
     except (StopIteration, ValueError):
-        print(f"megatron_rl.launch: error: bad arguments\n{USAGE}", file=sys.stderr)
+        print("megatron_rl.launch: error: --world-size and --gpus-per-node take an integer (command line); "
+              "e.g. --world-size 8 --gpus-per-node 8 (see --help)", file=sys.stderr)
         return 2
-    world = world or int(os.environ.get("WORLD_SIZE", 1))
-    per_node = per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if per_node is None else per_node
     try:
         cfg = load_config(recipe, overrides, distributed=True)
         cfg.trainer.recipe = recipe
@@ -66,9 +69,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 # megatron-core's local attention asserts context_parallel_size == 1.
                 raise ConfigError(f"learner.cp={cfg.learner.cp} needs TransformerEngine's attention (CUDA); "
                                   "megatron-core's local attention has no context parallelism: use learner.cp=1")
-    except (ConfigError, PlacementError) as err:
-        print(f"megatron_rl.launch: error: {err}", file=sys.stderr)
-        return 2
+    except UserError as err:  # ConfigError, PlacementError
+        return record_exit(report(err, "megatron_rl.launch"))
     if dry_run:
         print(plan.table())
         return 0
@@ -89,7 +91,7 @@ def _run(cfg, plan, per_node: int) -> int:
     from ..learner.parallel import destroy, init_distributed
     from ..main import run_guarded
     from ..stop import STOPPED_EXIT
-    from ..lifetime import die_with_parent
+    from ..lifetime import available_cores, die_with_parent
     from ..telemetry.run_dir import setup_logging
     from .run import run_split_world
 
@@ -102,7 +104,7 @@ def _run(cfg, plan, per_node: int) -> int:
 
     if not torch.cuda.is_available():
         # CPU: share the cores of this node among its ranks (one OpenMP team each).
-        cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
+        cores = cfg.trainer.cpu_threads or available_cores()
         torch.set_num_threads(max(1, cores // per_node))
     # torchrun's env:// rendezvous; NCCL on GPUs, gloo on CPU
     init_distributed(timeout=timedelta(seconds=cfg.trainer.rank_timeout_s))

@@ -20,10 +20,12 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from ..errors import UserError
+
 PLACEMENTS = ("colocated", "disaggregated")
 
 
-class PlacementError(ValueError):
+class PlacementError(UserError):
     """A layout that cannot be placed; the message says why and what would fit."""
 
 
@@ -196,7 +198,9 @@ def _what_fits(world: int, gpus_per_node: int, lay: Layout) -> List[str]:
 def plan_placement(world_size: int, gpus_per_node: int, layout: Layout) -> Plan:
     """Role, learner coordinates and engine membership of every rank; raises PlacementError."""
     if world_size < 1 or gpus_per_node < 1:
-        raise PlacementError(f"world size {world_size} and GPUs per node {gpus_per_node} must be >= 1")
+        raise PlacementError(f"cannot place this job on {world_size} ranks: the world size ({world_size}) and the "
+                             f"GPUs per node ({gpus_per_node}) must be >= 1 (--world-size/--gpus-per-node, or "
+                             "torchrun's WORLD_SIZE/LOCAL_WORLD_SIZE)")
     why = _problem(world_size, gpus_per_node, layout)
     if why:
         fits = _what_fits(world_size, gpus_per_node, layout)

@@ -47,15 +47,9 @@ def hf_dtype(hf: Dict[str, Any]) -> Optional[str]:
 
 def check_layout(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
     """Raise ConversionError if the model cannot be split at this TP/PP/EP layout."""
-    problems = []
-    if cfg.num_query_groups % tp:
-        problems.append(f"num_key_value_heads={cfg.num_query_groups} is not divisible by tp={tp}")
-    if vocab_size % tp:
-        problems.append(f"vocab_size={vocab_size} is not divisible by tp={tp}")
-    if cfg.num_layers % pp:
-        problems.append(f"num_hidden_layers={cfg.num_layers} is not divisible by pp={pp}")
-    if ep > 1 and (not cfg.num_experts or cfg.num_experts % ep):
-        problems.append(f"num_experts={cfg.num_experts} is not divisible by ep={ep}")
+    from .layout import layout_problems
+
+    problems = layout_problems(cfg, tp, pp, ep, prefix="--", vocab_size=vocab_size)
     if problems:
         raise ConversionError(f"cannot use layout tp={tp} pp={pp} ep={ep}: " + "; ".join(problems))
 

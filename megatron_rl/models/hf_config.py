@@ -15,12 +15,13 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from ..config.schema import ModelConfig
 from .families import Family, family_for_architecture, get_family
+from ..errors import UserError
 
 # Megatron's Llama-3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
 _LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(UserError):
     """A config.json our model build cannot reproduce exactly; the message names the key."""
 
 

@@ -40,6 +40,7 @@ def vocab_size_for(cfg: ModelConfig, tokenizer_vocab: int, tp: int = 1) -> int:
         return padded_vocab_size(tokenizer_vocab, tp)
     _, vocab = pretrained_model_config(cfg.path, cfg.dtype)
     if tokenizer_vocab > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer_vocab} ids but model.path={cfg.path!r} has a "
-                         f"vocabulary of {vocab}: use the checkpoint's tokenizer")
+        raise ConversionError(f"the tokenizer has {tokenizer_vocab} ids but model.path={cfg.path!r} has a vocabulary "
+                              f"of {vocab}: its embedding has no row for the ids above {vocab - 1}; use the "
+                              "checkpoint's own tokenizer, or a checkpoint whose vocabulary covers this one")
     return vocab

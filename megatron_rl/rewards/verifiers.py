@@ -33,15 +33,28 @@ def digit_match(completion: str, target: str) -> float:
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
+def gsm8k_reference(target: str) -> float:
+    """The reference number: GSM8K's raw answer text (worked solution, then ``#### <number>``, as a
+    ``data.name=jsonl`` row holds it) or the bare number. Raises ValueError when there is none: a
+    target the reward cannot read is an error counted in ``reward/errors``, not a silent zero."""
+    text = target.rsplit("####", 1)[1] if "####" in target else target
+    try:
+        return float(text.strip().replace(",", ""))
+    except ValueError:
+        raise ValueError(f"the reference answer {target[-40:]!r} is not a number and has no '#### <number>'; "
+                         "check data.answer_key") from None
+
+
 def gsm8k_exact(completion: str, target: str) -> float:
     """1.0 when the number after the last ``####`` equals the reference answer, else 0.0."""
+    reference = gsm8k_reference(target)
     if "####" not in completion:
         return 0.0
     match = _NUMBER.search(completion.rsplit("####", 1)[1])
     if match is None:
         return 0.0
     try:
-        return float(float(match.group().replace(",", "")) == float(target.replace(",", "")))
+        return float(float(match.group().replace(",", "")) == reference)
     except ValueError:
         return 0.0
 

@@ -7,6 +7,7 @@ submits it with sbatch and prints the job id. ``--dry-run`` prints the script an
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,8 @@ from .script import JobSpec, render
 JOB_KEYS = {"nodes": int, "gpus_per_node": int, "procs_per_node": int, "cpus_per_task": int, "partition": str, "time": str,
             "account": str, "job_name": str, "signal_lead_s": int, "rdzv_port": int, "python": str}
 USAGE = __doc__
+# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
+SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)", re.IGNORECASE)
 
 
 def parse(args: List[str]) -> JobSpec:
@@ -41,6 +44,9 @@ def parse(args: List[str]) -> JobSpec:
                 raise ValueError(f"{key}={value!r} must be {kind}") from None
         else:
             overrides.append(arg)
+    if "time" in job and not SLURM_TIME.fullmatch(job["time"]):
+        raise ValueError(f"time={job['time']!r} is not a Slurm time limit (job argument): write minutes, "
+                         "HH:MM:SS or D-HH:MM:SS, e.g. time=04:00:00")
     if job.get("nodes", 1) < 1 or job.get("gpus_per_node", 0) < 0 or job.get("procs_per_node", 1) < 1:
         raise ValueError("nodes and procs_per_node must be >= 1 and gpus_per_node >= 0")
     # Fail here, not after the job waited in the queue: the config, and the placement of its
@@ -54,6 +60,10 @@ def parse(args: List[str]) -> JobSpec:
         plan_for(cfg, world, per_node)
     except PlacementError as err:
         raise ValueError(str(err)) from None
+    data_path = cfg.data.path if cfg.data.name not in ("reverse_digits", "sort_digits") else None
+    if data_path and not Path(data_path).is_file():
+        raise ValueError(f"data.path={data_path!r}: file not found (checked at submit, from {Path.cwd()}): "
+                         "give a path the job's nodes can read, e.g. an absolute one")
     run_dir = Path(cfg.trainer.run_dir or Path("runs") / recipe / time.strftime("%Y%m%d-%H%M%S")).resolve()
     overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")]
     return JobSpec(recipe=recipe, run_dir=run_dir, overrides=overrides, python=job.pop("python", sys.executable), **job)
@@ -80,6 +90,7 @@ def submit(spec: JobSpec, wait: bool = False) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     from ..config import ConfigError
+    from ..errors import report
 
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help") or args[0] != "submit":
@@ -93,8 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 0
         return submit(spec, wait="--wait" in args)
     except (ValueError, ConfigError, RuntimeError) as err:
-        print(f"megatron_rl.slurm: error: {err}", file=sys.stderr)
-        return 2
+        return report(err, "megatron_rl.slurm")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """The sbatch script of a run: srun starts one torchrun per node with a c10d rendezvous on the
 first node, and every rank runs the launcher (``megatron_rl.launch``: its role from the placement
-plan; a world of one rank is the one-process trainer); a preemption signal asks the trainer to checkpoint and stop, then the job requeues
-itself and the rerun resumes from that checkpoint (same run directory)."""
+plan; a world of one rank is the one-process trainer).
+
+Stopping: the time limit's warning (``--signal=B:USR1``, or ``scancel --signal=USR1 --batch``)
+asks the trainer to checkpoint and stop; the job requeues itself only when the trainer's own exit
+status (``STOPPED_EXIT``, written to a file because torchrun reports any failed rank as 1) says the
+checkpoint was written, and the rerun resumes from it (same run directory). A TERM is a person's
+``scancel`` (or Slurm's preemption, which requeues the job itself): it reaches the trainer and
+the job ends without a requeue. A crash ends the job with the trainer's status."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from ..stop import STOP_FILE, STOPPED_EXIT
+from ..stop import EXIT_FILE_ENV, STOP_FILE, STOPPED_EXIT
 
 
 @dataclass
@@ -27,7 +33,7 @@ class JobSpec:
     account: Optional[str] = None
     job_name: Optional[str] = None
     signal_lead_s: int = 120        # the preemption warning: how long before the time limit
-    rdzv_port: int = 29500
+    rdzv_port: Optional[int] = None  # None: a port derived from the job id (two jobs on a node differ)
     python: str = "python"
     workdir: Path = field(default_factory=Path.cwd)
 
@@ -60,29 +66,42 @@ def render(spec: JobSpec) -> str:
     train_args = " ".join(shlex.quote(a) for a in [f"recipe={spec.recipe}", f"trainer.run_dir={run_dir}",
                                                     *spec.overrides])
     header = "\n".join(f"#SBATCH {d}" for d in directives)
-    threads = f"$(( ${{SLURM_CPUS_PER_TASK:-$(getconf _NPROCESSORS_ONLN)}} / {spec.ranks_per_node} ))"
+    # Cores of this job on the node (Slurm's allocation, not the node's), shared among its ranks.
+    cores = "${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}"
+    port = str(spec.rdzv_port) if spec.rdzv_port else "$(( 20000 + SLURM_JOB_ID % 20000 ))"
     return f"""#!/usr/bin/env bash
 {header}
 # Written by `python -m megatron_rl.slurm submit`; resubmitting it continues the same run.
 set -uo pipefail
 RUN_DIR={shlex.quote(str(run_dir))}
 STOP_FILE="$RUN_DIR/{STOP_FILE}"
-rm -f "$STOP_FILE"   # a request of an earlier attempt is done
+# The trainer's own exit status (torchrun reports any failed rank as 1).
+export {EXIT_FILE_ENV}="$RUN_DIR/slurm/exit-status-$SLURM_JOB_ID"
+rm -f "$STOP_FILE" "${EXIT_FILE_ENV}"   # a request, a status of an earlier attempt are done
 echo "megatron_rl: job $SLURM_JOB_ID attempt $(( ${{SLURM_RESTART_COUNT:-0}} + 1 )) on $SLURM_JOB_NODELIST at $(date -Is)"
 
-export OMP_NUM_THREADS={threads}
+CORES={cores}
+export MEGATRON_RL_CPUS="$CORES"
+export OMP_NUM_THREADS=$(( CORES / {spec.ranks_per_node} ))
 [ "$OMP_NUM_THREADS" -ge 1 ] 2>/dev/null || export OMP_NUM_THREADS=1
 # NCCL: report errors instead of hanging; NVLink SHARP (NVLS) off, it needs multicast support.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${{NCCL_DEBUG:-WARN}}
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+RDZV_PORT={port}
 
-preempted=0
-request_stop() {{ preempted=1; echo "megatron_rl: stop requested (signal) at $(date -Is)"; touch "$STOP_FILE"; }}
-trap request_stop USR1 TERM
+warned=0
+cancelled=0
+pid=""
+# USR1: the time limit is near; checkpoint, stop, requeue. TERM: scancel (or Slurm preempting the
+# job, which requeues it itself); pass it on and do not requeue.
+on_warning() {{ warned=1; echo "megatron_rl: stop requested (USR1) at $(date -Is)"; touch "$STOP_FILE"; }}
+on_cancel() {{ cancelled=1; echo "megatron_rl: cancelled (TERM) at $(date -Is)"; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; }}
+trap on_warning USR1
+trap on_cancel TERM
 
 srun --kill-on-bad-exit=1 {spec.python} -m torch.distributed.run \\
   --nnodes="$SLURM_NNODES" --nproc-per-node={spec.ranks_per_node} \\
-  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:{spec.rdzv_port}" --rdzv-id="$SLURM_JOB_ID" \\
+  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \\
   -m megatron_rl.launch {train_args} &
 pid=$!
 # `wait` returns early when a trapped signal arrives: keep waiting for the training to stop.
@@ -91,10 +110,14 @@ while :; do
   kill -0 "$pid" 2>/dev/null || break
 done
 rm -f "$STOP_FILE"
-if [ "$rc" -eq {STOPPED_EXIT} ] || [ "$preempted" -eq 1 ]; then
+status=$(cat "${EXIT_FILE_ENV}" 2>/dev/null || echo "$rc")
+echo "megatron_rl: training ended with status $status (launcher $rc) at $(date -Is)"
+if [ "$status" -eq {STOPPED_EXIT} ] && [ "$warned" -eq 1 ] && [ "$cancelled" -eq 0 ]; then
   echo "megatron_rl: checkpoint written; requeueing job $SLURM_JOB_ID"
-  scontrol requeue "$SLURM_JOB_ID"
-  exit 0
+  scontrol requeue "$SLURM_JOB_ID" && exit 0
+  echo "megatron_rl: requeue refused; submit the same script again to continue"
+  exit {STOPPED_EXIT}
 fi
-exit "$rc"
+[ "$status" -eq 0 ] 2>/dev/null && exit "$rc"
+exit "$status"
 """

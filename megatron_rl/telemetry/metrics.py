@@ -3,13 +3,48 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Iterator, List, Union
+from typing import Callable, Dict, Iterator, List, Sequence, Union
 
 import numpy as np
+
+
+def json_line(row: Dict) -> str:
+    """One strict-JSON line: a non-finite number (NaN, inf) is written as null, which every JSON
+    reader accepts (Python's json would write a bare NaN, which none but Python's accepts)."""
+    def clean(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, (list, tuple)):
+            return [clean(v) for v in value]
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        return value
+
+    return json.dumps(clean(row), allow_nan=False) + "\n"
+
+
+def keep_jsonl_rows(path: Path, keep: Callable[[Dict], bool]) -> List[Dict]:
+    """Drop the rows of a JSON-lines file that ``keep`` rejects, in place (the same file: writers
+    that hold it open for appending keep writing to it), and return the kept rows. A torn last
+    line (a run killed mid-write) is dropped too."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue
+    kept = [r for r in rows if keep(r)]
+    with path.open("r+") as fh:
+        fh.write("".join(json_line(r) for r in kept))
+        fh.truncate()
+    return kept
 
 
 class MetricsWriter:
@@ -21,12 +56,8 @@ class MetricsWriter:
 
         path = run_dir / "metrics.jsonl"
         self._kept: List[Dict] = []
-        if first_step > 1 and path.exists():
-            rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            self._kept = [r for r in rows if r["step"] < first_step]
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self._kept))
-            os.replace(tmp, path)
+        if first_step > 1:
+            self._kept = keep_jsonl_rows(path, lambda r: r["step"] < first_step)
         self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step if first_step > 1 else None)
         self.jsonl = path.open("a", buffering=1)
 
@@ -43,7 +74,7 @@ class MetricsWriter:
                     self.tb.add_histogram(key, np.repeat(np.arange(len(value)), value), step)
             else:
                 self.tb.add_scalar(key, value, step)
-        self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.jsonl.write(json_line({"step": step, **metrics}))
 
     def close(self) -> None:
         self.tb.close()
@@ -65,8 +96,54 @@ class Timeline:
             yield
         finally:
             end = time.time()
-            self.file.write(json.dumps({"name": name, "rank": self.rank, "pid": self.pid,
-                                        "start": start, "end": end, **attrs}) + "\n")
+            self.file.write(json_line({"name": name, "rank": self.rank, "pid": self.pid,
+                                       "start": start, "end": end, **attrs}))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def forget_spans_after(path: Path, saved_at: float, step: int, version: int) -> int:
+    """On resume from the checkpoint of ``step`` (policy ``version``, written at ``saved_at``):
+    drop the spans of the work the dead run did after it, which the resumed run does again.
+    Returns how many were dropped."""
+    before = sum(1 for _ in path.open()) if path.exists() else 0
+    kept = keep_jsonl_rows(path, lambda s: s.get("end", 0) <= saved_at and s.get("step", step) <= step
+                           and s.get("version", version) <= version)
+    return before - len(kept)
+
+
+def run_lengths(values: Sequence[int]) -> List[List[int]]:
+    """``[[value, count], ...]`` of consecutive equal values: a sample's per-token policy
+    versions in a few pairs (a version changes only at a weight sync)."""
+    out: List[List[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([int(v), 1])
+    return out
+
+
+class TrainedBatches:
+    """``trained.jsonl``: per step, the policy version trained, the groups it trained (admission
+    index, prompt uid) and every sample's token versions (run-length pairs), so the staleness
+    bound can be audited from the run directory alone: a step that trains policy version ``v``
+    under ``scheduler.max_staleness`` = η may hold no token of a version below ``v - η``."""
+
+    FILE = "trained.jsonl"
+
+    def __init__(self, run_dir: Path, first_step: int = 1):
+        path = run_dir / self.FILE
+        keep_jsonl_rows(path, lambda r: r["step"] < first_step)
+        self.file = path.open("a", buffering=1)
+
+    def write(self, step: int, version: int, groups) -> None:
+        """``groups``: the step's FinishedGroups."""
+        self.file.write(json_line({
+            "step": step, "policy_version": version,
+            "groups": [{"index": g.ticket.index, "uid": g.ticket.prompt.uid, "admitted_version": g.ticket.version,
+                        "token_versions": [run_lengths(t.versions) for t in g.trajectories]} for g in groups]}))
 
     def close(self) -> None:
         self.file.close()

@@ -14,12 +14,32 @@ from ..config.schema import RootConfig
 
 
 def make_run_dir(cfg: RootConfig) -> Path:
+    """The run directory, created (or reused, to resume); raises ConfigError for one that cannot
+    be written, or that holds a run which ``trainer.resume=false`` would overwrite."""
+    from ..config.validate import ConfigError
+
     run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else (
         Path("runs") / cfg.trainer.recipe / time.strftime("%Y%m%d-%H%M%S"))
-    for sub in ("tb", "checkpoints", "logs"):
-        (run_dir / sub).mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+    if not cfg.trainer.resume and holds_a_run(run_dir):
+        raise ConfigError(f"trainer.run_dir={str(run_dir)!r} already holds a run (metrics.jsonl or checkpoints) "
+                          "and trainer.resume=false would overwrite it: give a new trainer.run_dir, delete that "
+                          "directory, or set trainer.resume=true to continue the run")
+    try:
+        for sub in ("tb", "checkpoints", "logs"):
+            (run_dir / sub).mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+    except OSError as err:
+        raise ConfigError(f"trainer.run_dir={str(run_dir)!r} cannot be used ({err.strerror or err}: "
+                          f"{err.filename or run_dir}): give a directory this user can create and write") from None
     return run_dir
+
+
+def holds_a_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` has a run's results: step metrics or a checkpoint."""
+    metrics = run_dir / "metrics.jsonl"
+    checkpoints = run_dir / "checkpoints"
+    return (metrics.is_file() and metrics.stat().st_size > 0) or (
+        checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()))
 
 
 def setup_logging(log_file: Optional[Path] = None, level: int = logging.INFO) -> None:
