@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from world_runs import (alive, alive_after, compare_steps, descendants, finish, kill_session, main_cmd, rows, run, start,
+from world_runs import (alive_after, compare_steps, descendants, finish, kill_session, main_cmd, rows, run, start,
                         wait_for_steps, world_cmd, world_ranks)
 
 STEPS = 8
@@ -157,8 +157,7 @@ def test_killed_launcher_leaves_no_process_of_the_job(tmp_path):
         assert {r["pid"] for r in ranks} | {r["engine_pid"] for r in ranks} <= set(job)  # 2 ranks, 2 engines
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        time.sleep(10)
-        left = alive(job)
+        left = alive_after(job, 10)  # returns as soon as all are gone
     finally:
         kill_session(proc)
     assert not left, f"processes of the job still alive 10 s after the launcher was killed: {left}"
