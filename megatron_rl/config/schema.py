@@ -122,9 +122,12 @@ class LearnerConfig:
 class RolloutConfig:
     # embedded | vllm (a builder in rollout/build.py's ENGINES)
     engine: str = "embedded"
-    # How a prompt becomes its group of trajectories: single_turn (one response per sample; a
-    # coroutine in rollout/workflow.py's WORKFLOWS).
+    # How a prompt becomes its group of trajectories: single_turn (one response per sample), an
+    # agent by name (calculator_agent) or by import path (my_pkg.agents:MyAgent); docs/agents.md.
     workflow: str = "single_turn"
+    # Agents: each trajectory of a run gets the run's advantage times turn_discount ** (model
+    # turns after it), so earlier turns get less credit; 1 gives every turn the same.
+    turn_discount: float = 1.0
     engines: int = 1
     tp: int = 1
     # colocated | disaggregated
@@ -245,10 +248,15 @@ class DataConfig:
     # 0: lengths uniform in [min_digits, max_digits]. > 0: a power law, P(n) ∝ (n - min_digits + 1)^-tail,
     # so most strings are short and a few are long (long-tailed response lengths, as in reasoning RL).
     length_tail: float = 0.0
-    # plain | qa (Question/Answer framing for text datasets)
+    # plain | qa (Question/Answer framing for text datasets) | chat (the question as one user
+    # message through the tokenizer's chat template; needs data.tokenizer=model)
     template: str = "plain"
-    # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)
+    # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the
+    # dataset) | model (model.path's tokenizer.json, special tokens, chat template and stop ids)
     tokenizer: str = "char"
+    # data.tokenizer=model: read the tokenizer from this Hugging Face directory instead of
+    # model.path (e.g. a random-init model with a real tokenizer).
+    tokenizer_path: Optional[str] = None
     bpe_vocab_size: int = 4096
     max_prompt_tokens: int = 48
     shuffle: bool = True

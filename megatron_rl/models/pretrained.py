@@ -40,6 +40,8 @@ def vocab_size_for(cfg: ModelConfig, tokenizer_vocab: int, tp: int = 1) -> int:
         return padded_vocab_size(tokenizer_vocab, tp)
     _, vocab = pretrained_model_config(cfg.path, cfg.dtype)
     if tokenizer_vocab > vocab:
+        has = (Path(cfg.path) / "tokenizer.json").is_file()
         raise ValueError(f"the tokenizer has {tokenizer_vocab} ids but model.path={cfg.path!r} has a "
-                         f"vocabulary of {vocab}: use the checkpoint's tokenizer")
+                         f"vocabulary of {vocab}: set data.tokenizer=model to use the checkpoint's tokenizer.json"
+                         + ("" if has else " (copy it into model.path first: it has none)"))
     return vocab

@@ -1,0 +1,132 @@
+"""Agents: trajectories from recorded turns (hand-computed), tool-call parsing, the chat server
+through the real openai client, agents loaded by import path, and end-to-end training checked
+token for token against what the engine produced."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from agent_helpers import RecordingEngine, agent_overrides, write_tokenizer
+
+from megatron_rl.rollout.agent import Turn, run_trajectories
+from megatron_rl.rollout.agent.tool_calls import parse_tool_calls
+
+
+def test_turns_that_extend_the_sequence_make_one_trajectory_with_masks():
+    t1 = Turn([1, 2, 3], [10, 11], [-0.1, -0.2], [0, 0], "stop")
+    t2 = Turn([1, 2, 3, 10, 11, 7, 8], [12], [-0.3], [1], "length")
+    (traj,) = run_trajectories([t1, t2], "p", 4, reward=0.5)
+    assert traj.prompt_ids == [1, 2, 3]
+    assert traj.response_ids == [10, 11, 7, 8, 12]
+    assert traj.loss_mask == [1, 1, 0, 0, 1]
+    assert traj.logprobs == [-0.1, -0.2, 0.0, 0.0, -0.3]
+    assert traj.versions == [0, 0, 0, 0, 1]
+    assert (traj.reward, traj.sample_index, traj.finish_reason, traj.advantage_scale) == (0.5, 4, "length", 1.0)
+
+
+def test_a_turn_that_rewrites_history_starts_a_new_trajectory_with_discount():
+    t1 = Turn([1, 2], [10], [-0.1], [0], "stop")
+    t2 = Turn([1, 2, 10, 5], [11], [-0.2], [0], "stop")
+    t3 = Turn([1, 9], [12, 13], [-0.3, -0.4], [1, 1], "stop")  # does not extend [1, 2, 10, 5, 11]
+    first, second = run_trajectories([t1, t2, t3], "p", 0, reward=1.0, turn_discount=0.5)
+    assert (first.prompt_ids, first.response_ids, first.loss_mask) == ([1, 2], [10, 5, 11], [1, 0, 1])
+    assert (second.prompt_ids, second.response_ids, second.loss_mask) == ([1, 9], [12, 13], [1, 1])
+    assert (first.advantage_scale, second.advantage_scale) == (0.5, 1.0)  # one model turn after it
+
+
+def test_group_advantages_count_one_run_once():
+    from megatron_rl.algorithms.advantages import assign_group_advantages
+    from megatron_rl.config import load_config
+
+    algo = load_config("tiny_cpu", ["algo.name=dr_grpo"]).algo
+    run0 = run_trajectories([Turn([1], [2], [0.0], [0], "stop"), Turn([5], [6], [0.0], [0], "stop")], "p", 0,
+                            reward=1.0, turn_discount=0.5)
+    run1 = run_trajectories([Turn([1], [3], [0.0], [0], "stop")], "p", 1, reward=0.0)
+    assign_group_advantages([run0 + run1], algo)
+    # dr_grpo: reward minus the group mean over the two runs (0.5), not over three trajectories.
+    assert [t.advantage for t in run0 + run1] == [0.25, 0.5, -0.5]
+
+
+def test_tool_calls_are_parsed_and_bad_blocks_stay_text():
+    content, calls = parse_tool_calls('Let me compute.<tool_call>\n{"name": "python", "arguments": {"code": "print(2)"}}\n'
+                                      '</tool_call>')
+    assert content == "Let me compute."
+    assert calls[0]["function"] == {"name": "python", "arguments": '{"code": "print(2)"}'}
+    text = "<tool_call>{not json}</tool_call>"
+    assert parse_tool_calls(text) == (text, [])
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chat_tokenizer")
+    write_tokenizer(path)
+    return path
+
+
+def check_token_for_token(groups, calls):
+    """Every trajectory's model tokens (mask 1) are exactly an engine output (ids, logprobs,
+    versions) whose prompt was exactly the trajectory's tokens before them; every other token has
+    mask 0, logprob 0 and the version of the model token before it; every engine call is used."""
+    by_prompt = {}
+    for request_id, prompt, out in calls:
+        by_prompt.setdefault(tuple(prompt), []).append((request_id, out))
+    used = set()
+    trajs = [t for g in groups for t in g]
+    for traj in trajs:
+        seq, i, prev_version = list(traj.prompt_ids), 0, None
+        n = len(traj.response_ids)
+        while i < n:
+            if traj.loss_mask[i] == 0:
+                assert traj.logprobs[i] == 0.0 and traj.versions[i] == prev_version
+                seq.append(traj.response_ids[i])
+                i += 1
+                continue
+            j = i
+            while j < n and traj.loss_mask[j] == 1:
+                j += 1
+            matches = [(rid, out) for rid, out in by_prompt.get(tuple(seq), [])
+                       if out.token_ids == traj.response_ids[i:j] and out.logprobs == traj.logprobs[i:j]
+                       and out.versions == traj.versions[i:j]]
+            assert matches, f"model tokens {i}:{j} of {traj.prompt_uid}/{traj.sample_index} match no engine call"
+            used.add(matches[0][0])
+            seq += traj.response_ids[i:j]
+            prev_version = traj.versions[j - 1]
+            i = j
+    return used, trajs
+
+
+def test_calculator_agent_trains_and_every_token_is_the_engines(megatron_world, chat_tokenizer_dir, tmp_path):
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", agent_overrides(chat_tokenizer_dir, tmp_path / "run"))
+    trainer = Trainer(cfg)
+    trainer.engine = RecordingEngine(trainer.engine)
+    trained = []
+    real_train_on = trainer.train_on
+
+    def train_on(prompts, groups, version):
+        trained.append([list(g) for g in groups])
+        return real_train_on(prompts, groups, version)
+
+    trainer.train_on = train_on
+    summary = trainer.run()
+    assert summary["steps"] == 2 and len(trained) == 2
+    groups = [g for batch in trained for g in batch]
+    used, trajs = check_token_for_token(groups, trainer.engine.calls)
+    # Multi-turn: the runs made more calls than there are runs, and the prompts carry the chat
+    # template's markers (ChatML) and the tools' description.
+    runs = {(t.prompt_uid, t.sample_index) for t in trajs}
+    trained_calls = [c for c in trainer.engine.calls if c[0] in used]
+    assert len(trained_calls) > len(runs)
+    assert any(0 in t.loss_mask for t in trajs)
+    tok = trainer.tokenizer
+    first_prompt = tok.decode_with_specials(trajs[0].prompt_ids)
+    assert first_prompt.startswith("<|im_start|>system\n") and '"name": "python"' in first_prompt
+    assert first_prompt.endswith("<|im_start|>assistant\n")
+    # Every call of a trained run is in its trajectories (the tags are <group>-<uid>-<i>-t<turn>).
+    trained_runs = {rid.rsplit("-t", 1)[0] for rid in used}
+    assert {rid for rid, _, _ in trainer.engine.calls if rid.rsplit("-t", 1)[0] in trained_runs} == used
