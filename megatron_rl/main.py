@@ -25,12 +25,13 @@ def run_guarded(run: Callable[[], Optional[dict]], prog: str = "megatron_rl") ->
     from .config import ConfigError
     from .data.datasets import DatasetError
     from .learner.group import LearnerRanksFailed
+    from .plugins import PluginError
     from .scheduler.controller import RolloutsStopped
     from .stop import STOPPED_EXIT, StopRequested
 
     try:
         summary = run()
-    except (ConfigError, DatasetError, ResumeError) as err:
+    except (ConfigError, DatasetError, ResumeError, PluginError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
     except (RolloutsStopped, LearnerRanksFailed) as err:
