@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from agent_helpers import RecordingEngine, agent_overrides, write_tokenizer
+from agent_helpers import GSM8K, RecordingEngine, agent_overrides, write_tokenizer
 
 from megatron_rl.rollout.agent import Turn, run_trajectories
 from megatron_rl.rollout.agent.tool_calls import parse_tool_calls
@@ -130,3 +130,116 @@ def test_calculator_agent_trains_and_every_token_is_the_engines(megatron_world, 
     # Every call of a trained run is in its trajectories (the tags are <group>-<uid>-<i>-t<turn>).
     trained_runs = {rid.rsplit("-t", 1)[0] for rid in used}
     assert {rid for rid, _, _ in trainer.engine.calls if rid.rsplit("-t", 1)[0] in trained_runs} == used
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory, chat_tokenizer_dir):
+    """A random Qwen2 checkpoint directory whose tokenizer.json and chat template were written
+    offline (the module's chat tokenizer), with the vocabulary sized to it."""
+    import shutil
+
+    from hf_helpers import save_random_hf_model
+
+    from megatron_rl.data.tokenizer import load_pretrained_tokenizer
+
+    path = tmp_path_factory.mktemp("hf_chat")
+    vocab = load_pretrained_tokenizer(str(chat_tokenizer_dir)).vocab_size
+    save_random_hf_model("qwen2", path, vocab_size=vocab, max_position_embeddings=512)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(chat_tokenizer_dir / name, path / name)
+    return path
+
+
+def _capture_training(trainer):
+    trained = []
+    real_train_on = trainer.train_on
+
+    def train_on(prompts, groups, version):
+        trained.append((list(prompts), [list(g) for g in groups]))
+        return real_train_on(prompts, groups, version)
+
+    trainer.train_on = train_on
+    return trained
+
+
+def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_chat_template(
+        megatron_world, hf_dir, tmp_path):
+    import json as _json
+
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [
+        f"model.path={hf_dir}", "data.tokenizer=model", "data.template=chat", "data.name=gsm8k",
+        f"data.path={GSM8K}", "data.max_prompt_tokens=400",
+        "reward.name=gsm8k", "rollout.max_new_tokens=4", "trainer.total_steps=2", f"trainer.run_dir={tmp_path}",
+        "trainer.progress=false", "trainer.save_final_checkpoint=false", "algo.group_size=2",
+        "algo.groups_per_batch=2", "learner.mini_batches=1"])
+    trainer = Trainer(cfg)
+    trained = _capture_training(trainer)
+    assert trainer.run()["steps"] == 2
+    # The checkpoint's files, read independently: the tokenizer.json ids of the template's text.
+    backend = HFTokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    im_end = backend.token_to_id("<|im_end|>")
+    assert trainer.params.stop_token_ids[0] == im_end  # the checkpoint's eos ends responses
+    for prompts, groups in trained:
+        for prompt, group in zip(prompts, groups):
+            text = f"<|im_start|>user\n{prompt.question}<|im_end|>\n<|im_start|>assistant\n"
+            assert prompt.text == text
+            ids = backend.encode(text, add_special_tokens=False).ids
+            assert all(t.prompt_ids == ids for t in group)
+            assert ids[0] == backend.token_to_id("<|im_start|>")
+    assert _json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"] in trainer.tokenizer.chat_template.source
+
+
+def test_an_agent_function_loaded_by_import_path_trains(megatron_world, hf_dir, tmp_path):
+    """``async def run_agent_return_reward(data)`` making its own client with openai_client()."""
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [f"model.path={hf_dir}",
+                                   *agent_overrides(hf_dir, tmp_path, "agent_helpers:run_agent_return_reward")])
+    trainer = Trainer(cfg)
+    trainer.engine = RecordingEngine(trainer.engine)
+    trained = _capture_training(trainer)
+    assert trainer.run()["steps"] == 2
+    groups = [g for _, batch in trained for g in batch]
+    used, trajs = check_token_for_token(groups, trainer.engine.calls)
+    # Two calls per run, the second extending the first: one trajectory per run, two model spans.
+    assert len(trajs) == 8 and len(used) == 16
+    for t in trajs:
+        assert t.loss_mask[0] == 1 and t.loss_mask[-1] == 1 and 0 in t.loss_mask
+        assert t.reward in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("workflow, message", [
+    ("no_such_pkg.agents:Agent", "module 'no_such_pkg' is not importable"),
+    ("agent_helpers:Missing", "'agent_helpers' has no attribute 'Missing'"),
+    ("agent_helpers:GSM8K", "is a PosixPath; point it at an agent class"),
+    ("agent_helpers:NoClientParam", "NoClientParam.run(self, data) cannot be called as NoClientParam.run(self, data, client)"),
+    ("agent_helpers:NotAsync", "class NotAsync needs a method `async def run(self, data, client) -> float`"),
+    ("agent_helpers:two_params", "two_params(data, client) cannot be called as two_params(data)"),
+    ("agent_helpers:write_tokenizer", "is a function; point it at an agent class"),
+    ("agent_helpers:", "is not an import path"),
+])
+def test_a_wrong_agent_path_or_signature_is_one_clear_line(workflow, message):
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_cpu", [f"rollout.workflow={workflow}"])
+    text = str(err.value)
+    assert message in text and "\n" not in text and text.startswith("rollout.workflow=")
+
+
+def test_an_agent_returning_no_number_stops_the_run_with_one_line(megatron_world, hf_dir, tmp_path, capsys):
+    from megatron_rl.config import load_config
+    from megatron_rl.main import run_guarded
+    from megatron_rl.trainer import Trainer
+
+    cfg = load_config("tiny_cpu", [f"model.path={hf_dir}", *agent_overrides(hf_dir, tmp_path, "agent_helpers:ReturnsText")])
+    assert run_guarded(Trainer(cfg).run) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "megatron_rl: error: rollout.workflow='agent_helpers:ReturnsText': the agent returned '1.0' (str); "
+        "it must return the run's reward as a finite float")
