@@ -243,3 +243,27 @@ def test_an_agent_returning_no_number_stops_the_run_with_one_line(megatron_world
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "megatron_rl: error: rollout.workflow='agent_helpers:ReturnsText': the agent returned '1.0' (str); "
         "it must return the run's reward as a finite float")
+
+
+def test_calculator_tool_runs_code_in_the_sandbox_and_reports_errors():
+    from megatron_rl.rollout.agent.calculator import run_python_tool
+
+    assert asyncio.run(run_python_tool(json.dumps({"code": "print(17 * 23)"}))) == "391\n"
+    assert asyncio.run(run_python_tool(json.dumps({"code": "1/0"}))).startswith("error: crash")
+    assert "ZeroDivisionError" in asyncio.run(run_python_tool(json.dumps({"code": "1/0"})))
+    assert asyncio.run(run_python_tool("not json")).startswith("error: arguments must be")
+
+
+def test_chat_template_renders_tool_calls_and_results_back_into_the_history(chat_tokenizer_dir):
+    from megatron_rl.data.tokenizer import load_pretrained_tokenizer
+    from megatron_rl.rollout.agent.tool_calls import messages_for_template
+
+    tok = load_pretrained_tokenizer(str(chat_tokenizer_dir))
+    content, calls = parse_tool_calls('ok<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}</tool_call>')
+    messages = messages_for_template([{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": content, "tool_calls": calls},
+                                      {"role": "tool", "tool_call_id": calls[0]["id"], "content": "1\n"}])
+    text = tok.chat_template.render(messages, tools=[{"type": "function", "function": {"name": "python"}}])
+    assert text.endswith('<|im_start|>assistant\nok<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}'
+                         '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n1\n\n</tool_response><|im_end|>\n'
+                         '<|im_start|>assistant\n')
