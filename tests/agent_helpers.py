@@ -71,6 +71,53 @@ class RecordingEngine(RolloutEngine):
     def weight_version(self):
         return self.inner.weight_version()
 
+    async def sampling_state(self):
+        return await self.inner.sampling_state()
+
+    async def set_sampling_state(self, state):
+        await self.inner.set_sampling_state(state)
+
+    async def sleep(self):
+        await self.inner.sleep()
+
+    async def wake_up(self):
+        await self.inner.wake_up()
+
+    async def shutdown(self):
+        await self.inner.shutdown()
+
+
+def check_token_for_token(groups, calls):
+    """Every trajectory's model tokens (mask 1) are exactly an engine output (ids, logprobs,
+    versions) whose prompt was exactly the trajectory's tokens before them; every other token has
+    mask 0, logprob 0 and the version of the model token before it; every engine call is used."""
+    by_prompt = {}
+    for request_id, prompt, out in calls:
+        by_prompt.setdefault(tuple(prompt), []).append((request_id, out))
+    used = set()
+    trajs = [t for g in groups for t in g]
+    for traj in trajs:
+        seq, i, prev_version = list(traj.prompt_ids), 0, None
+        n = len(traj.response_ids)
+        while i < n:
+            if traj.loss_mask[i] == 0:
+                assert traj.logprobs[i] == 0.0 and traj.versions[i] == prev_version
+                seq.append(traj.response_ids[i])
+                i += 1
+                continue
+            j = i
+            while j < n and traj.loss_mask[j] == 1:
+                j += 1
+            matches = [(rid, out) for rid, out in by_prompt.get(tuple(seq), [])
+                       if out.token_ids == traj.response_ids[i:j] and out.logprobs == traj.logprobs[i:j]
+                       and out.versions == traj.versions[i:j]]
+            assert matches, f"model tokens {i}:{j} of {traj.prompt_uid}/{traj.sample_index} match no engine call"
+            used.add(matches[0][0])
+            seq += traj.response_ids[i:j]
+            prev_version = traj.versions[j - 1]
+            i = j
+    return used, trajs
+
 
 # Agents for the import-path tests (rollout.workflow=agent_helpers:<name>).
 async def run_agent_return_reward(data) -> float:

@@ -15,4 +15,4 @@ if ! "$VENV_PYTHON" -c "import vllm" >/dev/null 2>&1; then
 fi
 cd "$ROOT"
 export MEGATRON_RL_REQUIRE_VLLM=1
-exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py "$@"
+exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_agent.py "$@"

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from agent_helpers import GSM8K, RecordingEngine, agent_overrides, write_tokenizer
+from agent_helpers import GSM8K, RecordingEngine, agent_overrides, check_token_for_token, write_tokenizer
 
 from megatron_rl.rollout.agent import Turn, run_trajectories
 from megatron_rl.rollout.agent.tool_calls import parse_tool_calls
@@ -64,38 +64,6 @@ def chat_tokenizer_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("chat_tokenizer")
     write_tokenizer(path)
     return path
-
-
-def check_token_for_token(groups, calls):
-    """Every trajectory's model tokens (mask 1) are exactly an engine output (ids, logprobs,
-    versions) whose prompt was exactly the trajectory's tokens before them; every other token has
-    mask 0, logprob 0 and the version of the model token before it; every engine call is used."""
-    by_prompt = {}
-    for request_id, prompt, out in calls:
-        by_prompt.setdefault(tuple(prompt), []).append((request_id, out))
-    used = set()
-    trajs = [t for g in groups for t in g]
-    for traj in trajs:
-        seq, i, prev_version = list(traj.prompt_ids), 0, None
-        n = len(traj.response_ids)
-        while i < n:
-            if traj.loss_mask[i] == 0:
-                assert traj.logprobs[i] == 0.0 and traj.versions[i] == prev_version
-                seq.append(traj.response_ids[i])
-                i += 1
-                continue
-            j = i
-            while j < n and traj.loss_mask[j] == 1:
-                j += 1
-            matches = [(rid, out) for rid, out in by_prompt.get(tuple(seq), [])
-                       if out.token_ids == traj.response_ids[i:j] and out.logprobs == traj.logprobs[i:j]
-                       and out.versions == traj.versions[i:j]]
-            assert matches, f"model tokens {i}:{j} of {traj.prompt_uid}/{traj.sample_index} match no engine call"
-            used.add(matches[0][0])
-            seq += traj.response_ids[i:j]
-            prev_version = traj.versions[j - 1]
-            i = j
-    return used, trajs
 
 
 def test_calculator_agent_trains_and_every_token_is_the_engines(megatron_world, chat_tokenizer_dir, tmp_path):
