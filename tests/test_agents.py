@@ -235,3 +235,13 @@ def test_chat_template_renders_tool_calls_and_results_back_into_the_history(chat
     assert text.endswith('<|im_start|>assistant\nok<tool_call>{"name": "python", "arguments": {"code": "print(1)"}}'
                          '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n1\n\n</tool_response><|im_end|>\n'
                          '<|im_start|>assistant\n')
+
+
+def test_vocabulary_error_points_at_data_tokenizer_model(hf_dir):
+    from megatron_rl.config import load_config
+    from megatron_rl.models.pretrained import vocab_size_for
+
+    cfg = load_config("tiny_cpu", [f"model.path={hf_dir}"])
+    with pytest.raises(ValueError, match=r"has a vocabulary of \d+: set data.tokenizer=model to use the "
+                                         r"checkpoint's tokenizer.json$"):
+        vocab_size_for(cfg.model, 10**6)
