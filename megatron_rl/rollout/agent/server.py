@@ -119,7 +119,9 @@ class ChatServer:
         prompt_ids = self.encode_prompt(run, text)
         room = self.max_context - len(prompt_ids)
         limit = body.get("max_completion_tokens") or body.get("max_tokens") or run.params.max_new_tokens
-        max_new = min(int(limit), run.params.max_new_tokens, room)
+        if not isinstance(limit, int) or limit < 1:
+            raise RequestError(400, f"max_tokens={limit!r} must be a positive integer")
+        max_new = min(limit, run.params.max_new_tokens, room)
         if max_new <= 0:
             raise RequestError(400, f"the conversation is {len(prompt_ids)} tokens; the model's context is "
                                f"{self.max_context} (model.max_position_embeddings)", "context_length_exceeded")

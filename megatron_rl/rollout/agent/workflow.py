@@ -131,8 +131,12 @@ class AgentWorkflow:
     async def __call__(self, engine: RolloutEngine, prompt, params: SamplingParams,
                        request_ids: Sequence[str]) -> List[Trajectory]:
         server = await self.server(engine)
+        # Every run finishes (or fails) before the group does: none is left talking to the engine.
         results = await asyncio.gather(*(self.run_once(server, prompt, params, i, rid)
-                                         for i, rid in enumerate(request_ids)))
+                                         for i, rid in enumerate(request_ids)), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
         return [t for trajs in results for t in trajs]
 
     async def run_once(self, server: ChatServer, prompt, params: SamplingParams, index: int,
