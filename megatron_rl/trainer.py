@@ -39,7 +39,8 @@ from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.workflow import WORKFLOWS
+from .rollout.agent import AgentError
+from .rollout.workflow import build_workflow
 from .rollout.engine import EngineError, RolloutEngine, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
@@ -149,7 +150,10 @@ class Trainer:
                 torch.set_num_threads(learner_threads)
             seed_everything(cfg.trainer.seed)
             self.tokenizer, prompts = build_data(cfg)
-            vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
+            try:
+                vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
+            except ValueError as err:  # a tokenizer larger than the checkpoint's vocabulary
+                raise ConfigError(str(err)) from None
             self.worker = LearnerWorker(cfg, vocab, self.tokenizer.pad_id)
             self.learners = LearnerGroup(self.worker)
             self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
@@ -173,8 +177,13 @@ class Trainer:
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
-                                     stop_token_ids=(self.tokenizer.eos_id,), stream=False,
+                                     stop_token_ids=self.tokenizer.stop_ids, stream=False,
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
+        try:
+            self.workflow = build_workflow(r.workflow, self.tokenizer, cfg.model.max_position_embeddings,
+                                           r.turn_discount)
+        except ValueError as err:  # e.g. an agent with a tokenizer that has no chat template
+            raise ConfigError(str(err)) from None
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
         self._remote_engines = [] if world is None else world.remote_engines
         self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
@@ -304,17 +313,20 @@ class Trainer:
         g, p = self.cfg.algo.group_size, ticket.prompt
         with self.timeline.span("generate", group=ticket.index):
             try:
-                trajs = await WORKFLOWS.get(self.cfg.rollout.workflow)(
-                    self.engine, p, self.params, [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
+                trajs = await self.workflow(self.engine, p, self.params,
+                                            [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
             except EngineError:
                 self._raise_if_engine_gone()
                 raise
+            except AgentError as err:  # the agent broke its contract, and every run would: stop
+                raise RolloutsStopped(str(err)) from None
         aborted = sum(t.finish_reason == "abort" for t in trajs)
         if aborted:
             raise GroupFailed(f"{aborted} of {g} samples aborted")
         trajs = list(trajs)
-        with self.timeline.span("reward", group=ticket.index):
-            await self.score([p], [trajs])
+        if not getattr(self.workflow, "sets_rewards", False):  # agents return their runs' rewards
+            with self.timeline.span("reward", group=ticket.index):
+                await self.score([p], [trajs])
         return trajs
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:

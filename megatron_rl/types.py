@@ -50,6 +50,9 @@ class Trajectory:
     reward: float = 0.0
     reward_info: Dict[str, Any] = field(default_factory=dict)
     advantage: float = 0.0
+    # Agent runs: the share of the run's advantage this trajectory gets (the per-turn discount of
+    # earlier turns; 1 for single-turn samples).
+    advantage_scale: float = 1.0
     # Per-token advantages (PPO with a critic: GAE); when set they replace ``advantage``.
     token_advantages: Optional[List[float]] = None
     # The critic's values before its update and the GAE returns it regresses on, per response token.

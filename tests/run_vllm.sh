@@ -16,4 +16,4 @@ fi
 cd "$ROOT"
 export MEGATRON_RL_REQUIRE_VLLM=1
 exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
-  tests/test_vllm_world.py "$@"
+  tests/test_vllm_world.py tests/test_vllm_agent.py "$@"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, List, Sequence
 
 import torch
 
@@ -108,16 +108,29 @@ def compute_advantages(name: str, rewards: torch.Tensor, lengths: torch.Tensor, 
     return ADVANTAGE_ESTIMATORS.get(name)(rewards, lengths, eps, normalize_by_std)
 
 
+def runs_of(group: Sequence["Trajectory"]) -> List[List["Trajectory"]]:
+    """A group's trajectories by sample: one each for single-turn samples; an agent run whose
+    turns did not all extend one token sequence leaves several with the same sample index."""
+    runs: Dict[int, List["Trajectory"]] = {}
+    for traj in group:
+        runs.setdefault(traj.sample_index, []).append(traj)
+    return list(runs.values())
+
+
 def assign_group_advantages(groups: Sequence[Sequence["Trajectory"]], algo: "AlgoConfig") -> None:
     """Set each trajectory's sequence advantage from its group's rewards with ``algo.name``'s
     estimator (``algo`` is the AlgoConfig). PPO with a critic (gae) is per token and needs the
-    critic's values: learner/critic.py assigns those."""
+    critic's values: learner/critic.py assigns those. The estimator sees one reward per sample
+    (an agent run's trajectories share it and its length is their trained tokens together); each
+    trajectory gets its sample's advantage times its ``advantage_scale``."""
     if algo.name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"algo.name={algo.name!r} needs a critic's values; only the single-process trainer "
                          f"builds a critic so far; group estimators: {ADVANTAGE_ESTIMATORS.names()}")
-    rewards = torch.tensor([[t.reward for t in grp] for grp in groups], dtype=torch.float64)
-    lengths = torch.tensor([[sum(t.loss_mask) for t in grp] for grp in groups], dtype=torch.float64)
+    runs = [runs_of(grp) for grp in groups]
+    rewards = torch.tensor([[run[0].reward for run in grp] for grp in runs], dtype=torch.float64)
+    lengths = torch.tensor([[sum(sum(t.loss_mask) for t in run) for run in grp] for grp in runs], dtype=torch.float64)
     adv = compute_advantages(algo.name, rewards, lengths, algo.adv_eps, algo.normalize_adv_by_std)
-    for grp, row in zip(groups, adv.tolist()):
-        for traj, value in zip(grp, row):
-            traj.advantage = value
+    for grp, row in zip(runs, adv.tolist()):
+        for run, value in zip(grp, row):
+            for traj in run:
+                traj.advantage = value * traj.advantage_scale

@@ -167,9 +167,12 @@ class LearnerConfig:
 class RolloutConfig:
     # embedded | vllm (a builder in rollout/build.py's ENGINES)
     engine: str = "embedded"
-    # How a prompt becomes its group of trajectories: single_turn (one response per sample; a
-    # coroutine in rollout/workflow.py's WORKFLOWS).
+    # How a prompt becomes its group of trajectories: single_turn (one response per sample), an
+    # agent by name (calculator_agent) or by import path (my_pkg.agents:MyAgent); docs/agents.md.
     workflow: str = "single_turn"
+    # Agents: each trajectory of a run gets the run's advantage times turn_discount ** (model
+    # turns after it), so earlier turns get less credit; 1 gives every turn the same.
+    turn_discount: float = 1.0
     # Rollout engines (torchrun world only; one process runs one).
     engines: int = 1
     # Tensor-parallel size of each engine (the embedded engine runs at 1).
@@ -323,10 +326,15 @@ class DataConfig:
     # so most strings are short and a few are long (long-tailed response lengths, as in reasoning RL).
     length_tail: float = 0.0
     # plain | qa (Question/Answer framing asking for '#### <number>') | math (Problem/Solution
-    # framing asking for a \boxed{} answer)
+    # framing asking for a \boxed{} answer) | chat (the question as one user message through the
+    # tokenizer's chat template; needs data.tokenizer=model)
     template: str = "plain"
-    # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset)
+    # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the
+    # dataset) | model (model.path's tokenizer.json, special tokens, chat template and stop ids)
     tokenizer: str = "char"
+    # data.tokenizer=model: read the tokenizer from this Hugging Face directory instead of
+    # model.path (e.g. a random-init model with a real tokenizer).
+    tokenizer_path: Optional[str] = None
     # Vocabulary size of the BPE tokenizer trained on the dataset (data.tokenizer=bpe).
     bpe_vocab_size: int = 4096
     # Longest prompt in tokens; longer dataset rows are skipped.

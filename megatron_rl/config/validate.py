@@ -14,7 +14,8 @@ from ..models.families import FAMILY_NAMES, get_family
 from ..models.shared_prefix import unsupported
 from ..rewards.verifiers import REWARDS
 from ..rollout.build import ENGINES
-from ..rollout.workflow import WORKFLOWS
+from ..plugins import is_import_path
+from ..rollout.workflow import is_agent, resolve_agent, workflow_names
 from .schema import RootConfig
 
 
@@ -30,7 +31,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "model.moe_token_dispatcher": ("alltoall", "allgather"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),
     "rollout.engine": ENGINES.names,
-    "rollout.workflow": WORKFLOWS.names,
+    "rollout.workflow": workflow_names,
     "rollout.placement": ("colocated",),
     "algo.name": lambda: ADVANTAGE_ESTIMATORS.names() + CRITIC_ESTIMATORS,
     "algo.kl_estimator": ("k1", "k2", "k3"),
@@ -39,8 +40,8 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
-    "data.template": ("plain", "qa", "math"),
-    "data.tokenizer": ("char", "bpe"),
+    "data.template": ("plain", "qa", "math", "chat"),
+    "data.tokenizer": ("char", "bpe", "model"),
     "reward.name": REWARDS.names,
 }
 
@@ -136,7 +137,17 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     for key in ALLOWED:
         if distributed and key == "rollout.placement" and cfg.rollout.placement == "disaggregated":
             continue
+        if key == "rollout.workflow" and is_import_path(cfg.rollout.workflow):
+            continue  # a user's agent: loaded and checked below
         _choice(cfg, key)
+    if is_agent(cfg.rollout.workflow):
+        try:
+            resolve_agent(cfg.rollout.workflow)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if not 0.0 < cfg.rollout.turn_discount <= 1.0:
+            raise ConfigError(f"rollout.turn_discount={cfg.rollout.turn_discount} must be in (0, 1] (1: every "
+                              "turn of a run gets its full advantage)")
     _positive(
         cfg,
         [

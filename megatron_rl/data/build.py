@@ -5,12 +5,25 @@ from __future__ import annotations
 from typing import Iterable, Tuple
 
 from ..config.schema import RootConfig
-from .datasets import DigitTask, JsonlPrompts, Prompt, TEMPLATES, prompt_key, read_jsonl
-from .tokenizer import Tokenizer, char_tokenizer, train_bpe
+from .datasets import CHAT, DatasetError, DigitTask, JsonlPrompts, Prompt, TEMPLATES, prompt_key, read_jsonl
+from .tokenizer import Tokenizer, char_tokenizer, load_pretrained_tokenizer, train_bpe
 
 
 def build_tokenizer(cfg: RootConfig) -> Tokenizer:
     d = cfg.data
+    if d.tokenizer == "model":
+        directory = d.tokenizer_path or cfg.model.path
+        if directory is None:
+            raise DatasetError("data.tokenizer=model reads model.path's tokenizer.json, and model.path is not set; "
+                               "set model.path (or data.tokenizer_path) to a Hugging Face directory, or choose "
+                               "data.tokenizer=char|bpe")
+        try:
+            return load_pretrained_tokenizer(directory)
+        except ValueError as err:
+            raise DatasetError(str(err)) from None
+    if d.template == CHAT:
+        raise DatasetError(f"data.template=chat needs the checkpoint's chat template, but data.tokenizer={d.tokenizer}; "
+                           "set data.tokenizer=model (with model.path) or data.template=plain|qa")
     if d.tokenizer == "char":
         return char_tokenizer(d.digits + "=")
     # Byte-level BPE trained on the dataset's own prompts and answers (offline, ~1 s).

@@ -29,6 +29,8 @@ class Prompt:
     prompt_ids: List[int]
     # Ground truth the reward compares against (the reversed digits, the GSM8K final answer).
     target: str
+    # The dataset's question before any template (what an agent workflow hands the agent).
+    question: str = ""
 
 
 def read_jsonl(path: str, required: Sequence[str]) -> List[Dict]:
@@ -80,6 +82,19 @@ TEMPLATES = {
     "qa": "Question: {question}\nLet's think step by step and end with '#### <number>'.\nAnswer:",
     "math": "Problem: {question}\nLet's think step by step and put the final answer in \\boxed{{}}.\nSolution:",
 }
+# data.template=chat: the question as one user message through the tokenizer's chat template.
+CHAT = "chat"
+
+
+def render_prompt(template: str, question: str, tokenizer: Tokenizer) -> str:
+    """The prompt text of one question under ``data.template``."""
+    if template != CHAT:
+        return TEMPLATES[template].format(question=question)
+    if tokenizer.chat_template is None:
+        raise DatasetError("data.template=chat needs a chat template, and this tokenizer has none: use "
+                           "data.tokenizer=model with a model.path whose tokenizer_config.json has a "
+                           "chat_template, or data.template=plain|qa")
+    return tokenizer.chat_template.render([{"role": "user", "content": question}], add_generation_prompt=True)
 
 # The prompt field of each named JSONL dataset (data.prompt_key overrides it).
 PROMPT_KEYS = {"gsm8k": "question", "math500": "problem", "jsonl": "question"}
@@ -106,12 +121,13 @@ class JsonlPrompts:
                     target = gsm8k_final_answer(target)
                 except ValueError as err:
                     raise DatasetError(f"{path}:{i + 1}: field {answer_key!r}: {err}") from None
-            text = TEMPLATES[template].format(question=row[prompt_key].strip())
-            ids = [tokenizer.bos_id] + tokenizer.encode(text)
+            question = row[prompt_key].strip()
+            text = render_prompt(template, question, tokenizer)
+            ids = tokenizer.encode(text) if template == CHAT else tokenizer.prompt_ids(text)
             if len(ids) > max_prompt_tokens:
                 too_long += 1
                 continue
-            self.prompts.append(Prompt(f"{Path(path).stem}-{i}", text, ids, target))
+            self.prompts.append(Prompt(f"{Path(path).stem}-{i}", text, ids, target, question))
         if too_long:
             logger.warning("%s: skipped %d of %d prompts longer than data.max_prompt_tokens=%d",
                            path, too_long, len(rows), max_prompt_tokens)
@@ -160,5 +176,5 @@ class DigitTask:
             else:
                 s = "".join(self.rng.choice(self.digits) for _ in range(length))
             text = s + "="
-            yield Prompt(f"{self.task}-{n}", text, [self.tokenizer.bos_id] + self.tokenizer.encode(text), self.target(s))
+            yield Prompt(f"{self.task}-{n}", text, self.tokenizer.prompt_ids(text), self.target(s), text)
             n += 1

@@ -40,7 +40,8 @@ def vocab_size_for(cfg: ModelConfig, tokenizer_vocab: int, tp: int = 1) -> int:
         return padded_vocab_size(tokenizer_vocab, tp)
     _, vocab = pretrained_model_config(cfg.path, cfg.dtype)
     if tokenizer_vocab > vocab:
+        has = (Path(cfg.path) / "tokenizer.json").is_file()
         raise ConversionError(f"the tokenizer has {tokenizer_vocab} ids but model.path={cfg.path!r} has a vocabulary "
-                              f"of {vocab}: its embedding has no row for the ids above {vocab - 1}; use the "
-                              "checkpoint's own tokenizer, or a checkpoint whose vocabulary covers this one")
+                              f"of {vocab}: set data.tokenizer=model to use the checkpoint's own tokenizer "
+                              "(tokenizer.json)" + ("" if has else "; copy it into model.path first: it has none"))
     return vocab

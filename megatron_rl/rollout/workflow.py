@@ -1,10 +1,11 @@
-"""Workflows turn a prompt into trajectories by talking to an engine, registered by
-``rollout.workflow`` in WORKFLOWS. Single-turn for now."""
+"""Workflows turn a prompt into trajectories by talking to an engine, chosen by
+``rollout.workflow``: a name in WORKFLOWS (``single_turn``, the example ``calculator_agent``) or
+an agent's import path (``my_pkg.agents:MyAgent``, see rollout/agent/)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Awaitable, Callable, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Sequence, Tuple
 
 from ..registry import Registry
 from ..types import GenerationChunk, SamplingParams, Trajectory
@@ -46,3 +47,48 @@ async def generate_groups(engine: RolloutEngine, work: Sequence[Tuple[Prompt, in
     group = WORKFLOWS.get(workflow)
     return list(await asyncio.gather(*(
         group(engine, prompt, params, [f"{tag}-{prompt.uid}-{i}" for i in range(n)]) for prompt, n in work)))
+
+
+# Agents by name (classes with ``async run(self, data, client)`` or ``async def f(data)``
+# functions): rollout.workflow=<name> runs one like an import path would.
+AGENTS: Registry[Any] = Registry("agent")
+
+
+def workflow_names() -> Tuple[str, ...]:
+    """Every name rollout.workflow accepts (import paths aside)."""
+    return WORKFLOWS.names() + AGENTS.names()
+
+
+def resolve_agent(name: str) -> Any:
+    """The AgentSpec of ``rollout.workflow``: an import path (``pkg.mod:MyAgent``) or a name in
+    AGENTS. Raises ValueError (PluginError or AgentError) with one line."""
+    from ..plugins import is_import_path, load_object
+    from .agent import agent_spec
+
+    obj = load_object(name, what="rollout.workflow") if is_import_path(name) else AGENTS.get(name)
+    return agent_spec(obj, name)
+
+
+def is_agent(name: str) -> bool:
+    from ..plugins import is_import_path
+
+    return is_import_path(name) or name in AGENTS
+
+
+def build_workflow(name: str, tokenizer: Any = None, max_context: int = 0, turn_discount: float = 1.0) -> GroupWorkflow:
+    """The group workflow ``rollout.workflow`` names; an agent gets a chat server with the
+    tokenizer (its chat template) and the model's context length."""
+    if not is_agent(name):
+        return WORKFLOWS.get(name)
+    from .agent import AgentWorkflow
+
+    return AgentWorkflow(resolve_agent(name), tokenizer, max_context, turn_discount)
+
+
+def _register_agents() -> None:
+    from .agent.calculator import CalculatorAgent
+
+    AGENTS.add("calculator_agent", CalculatorAgent)
+
+
+_register_agents()
