@@ -23,7 +23,7 @@ if _REASON:
 
 from world_runs import alive_after, descendants, finish, kill_session, rows, start, wait_for_steps  # noqa: E402
 
-VLLM_WORLD = ("recipe=tiny_cpu_vllm", "rollout.placement=disaggregated", "trainer.progress=false",
+VLLM_WORLD = ("recipe=tiny_cpu_vllm", "trainer.progress=false",
               "trainer.log_interval=1", "trainer.save_final_checkpoint=false")
 STEPS = 40
 
@@ -62,8 +62,8 @@ def test_world_of_tp2_learner_and_two_vllm_engines_learns_and_every_sync_matches
     began = time.perf_counter()
     import subprocess
 
-    proc = subprocess.Popen(_world(4, run_dir, "learner.tp=2", "rollout.engines=2", "scheduler.max_staleness=1",
-                                   "rollout.check_sync=true", f"trainer.total_steps={STEPS}"),
+    proc = subprocess.Popen(_world(4, run_dir, "rollout.placement=disaggregated", "learner.tp=2", "rollout.engines=2",
+                                   "scheduler.max_staleness=1", "rollout.check_sync=true", f"trainer.total_steps={STEPS}"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=env)
     rc, out = finish(proc, timeout=900)
@@ -90,7 +90,8 @@ def test_world_of_tp2_learner_and_two_vllm_engines_learns_and_every_sync_matches
 
 def test_killed_vllm_engine_ends_the_world_with_one_line_and_leaves_no_process(tmp_path):
     run_dir = tmp_path / "run"
-    proc = start(_world(3, run_dir, "rollout.engines=2", "scheduler.max_staleness=1", "trainer.total_steps=200"))
+    proc = start(_world(3, run_dir, "rollout.placement=disaggregated", "rollout.engines=2", "scheduler.max_staleness=1",
+                        "trainer.total_steps=200"))
     try:
         wait_for_steps(run_dir, 3, proc, timeout=600)
         ranks = json.loads((run_dir / "world.json").read_text())["ranks"]
@@ -106,3 +107,17 @@ def test_killed_vllm_engine_ends_the_world_with_one_line_and_leaves_no_process(t
     assert any("the rollout engine is gone" in line and "vLLM engine core is dead" in line for line in errors), out[-3000:]
     assert any("balanced" in line for line in out.splitlines() if "prompt ledger" in line), out[-3000:]
     assert not alive_after(everything, 15), "processes of the world outlived it"
+
+
+def test_colocated_vllm_engines_serve_each_ranks_pushed_weights(tmp_path):
+    """Colocated: each learner rank hosts a vLLM engine and pushes to it over a channel it hosts
+    itself; at η = 0 the engine sleeps while its learner trains (a no-op on CPU)."""
+    run_dir = tmp_path / "run"
+    rc, out = finish(start(_world(2, run_dir, "rollout.placement=colocated", "rollout.engines=2",
+                                  "scheduler.max_staleness=0", "rollout.check_sync=true", "trainer.total_steps=4")),
+                     timeout=600)
+    assert rc == 0, out[-4000:]
+    got = rows(run_dir)
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["role"] for r in json.loads((run_dir / "world.json").read_text())["ranks"]] == ["learner+engine"] * 2
+    assert max(r["sync/probe_gap"] for r in got) <= 1e-5
