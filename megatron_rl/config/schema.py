@@ -387,7 +387,8 @@ class TrainerConfig:
     # Checkpoints kept in run_dir/checkpoints; older ones are deleted.
     checkpoint_keep: int = 2
     # Continue from the newest loadable checkpoint in run_dir, if there is one (an unreadable newer
-    # one is skipped with a warning). Give the same trainer.run_dir to pick a run up again.
+    # one is skipped with a warning). Give the same trainer.run_dir to pick a run up again; false
+    # on a run directory that already holds a run is refused (nothing is overwritten).
     resume: bool = True
     # Write a checkpoint after the last step.
     save_final_checkpoint: bool = True
