@@ -62,7 +62,9 @@ def test_world_of_tp2_learner_and_two_vllm_engines_learns_and_every_sync_matches
     began = time.perf_counter()
     import subprocess
 
+    # Two KV heads, so that each TP rank holds whole heads and KV groups.
     proc = subprocess.Popen(_world(4, run_dir, "rollout.placement=disaggregated", "learner.tp=2", "rollout.engines=2",
+                                   "model.num_query_groups=2",
                                    "scheduler.max_staleness=1", "rollout.check_sync=true", f"trainer.total_steps={STEPS}"),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env=env)
