@@ -41,7 +41,7 @@ def _receiver(member: int, addresses, port: int, out) -> None:
 
 def test_a_push_reaches_processes_of_another_world_bit_for_bit():
     hosts = [ChannelHost("127.0.0.1", receivers=2, name=f"weights-stage{s}", timeout_s=60) for s in range(2)]
-    addresses = [tuple(vars(h.address).values()) for h in hosts]
+    addresses = [h.address.as_tuple() for h in hosts]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_receiver, args=(m, addresses, _free_port(), out)) for m in (1, 2)]

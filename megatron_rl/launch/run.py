@@ -142,8 +142,7 @@ def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, 
     if member != 0:
         _all_gather_ranks("engine")
         return
-    signal.signal(signal.SIGTERM, lambda signum, frame: logger.info(
-        "engine rank: SIGTERM noted; the driver decides when to stop (it checkpoints after the step)"))
+    _leave_stops_to_the_driver()
     r = cfg.rollout
     group = plan.engine_groups[engine_index]
     gpus = [plan.ranks[g].local_rank for g in group] if torch.cuda.is_available() else None
@@ -152,25 +151,19 @@ def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, 
                         cpu_threads=max(1, cores // plan.gpus_per_node), tp=r.tp, gpu_ids=gpus,
                         weight_timeout_s=r.weight_timeout_s)
     listener = EngineListener(host, authkey)
-    everyone = _all_gather_ranks("engine", listener.address, engine.engine_pids()[0] if engine.engine_pids() else None)
+    everyone = _all_gather_ranks("engine", listener.address, (engine.engine_pids() or [None])[0])
     addresses = [a for _, a in sorted((stage, tuple(a)) for info in everyone for stage, a in info["channels"])]
     first_member = 1 + engine_index * r.tp
-    timeline = [None]
-
-    async def open_timeline(run_dir: str) -> None:
-        from ..telemetry.metrics import Timeline
-
-        timeline[0] = Timeline(Path(run_dir) / "timeline.jsonl", rank=dist.get_rank())
+    timeline = _RankTimeline()
 
     async def receive(version: int) -> float:
-        span = timeline[0].span("sync", version=version) if timeline[0] is not None else contextlib.nullcontext()
-        with span:
+        with timeline.span("sync", version=version):
             figures = await engine.receive_weights(addresses, first_member, version)
         return figures["sync/engine_receive_s"]
 
     conn = listener.accept()
     try:
-        asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": open_timeline}).run())
+        asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
     finally:
         engine.kill()  # the server shut it down, unless it failed on the way: no vLLM process stays
 
@@ -184,38 +177,52 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     from ..rollout.serve import EngineServer
     from ..weights.sync import receive_weights
 
-    signal.signal(signal.SIGTERM, lambda signum, frame: logger.info(
-        "engine rank: SIGTERM noted; the driver decides when to stop (it checkpoints after the step)"))
+    _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).
     engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
                             recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address)
-    timeline = [None]
-
-    async def open_timeline(run_dir: str) -> None:
-        from ..telemetry.metrics import Timeline
-
-        timeline[0] = Timeline(Path(run_dir) / "timeline.jsonl", rank=dist.get_rank())
-
-    def span(name: str, **attrs):
-        return timeline[0].span(name, **attrs) if timeline[0] is not None else contextlib.nullcontext()
+    timeline = _RankTimeline()
 
     async def receive(version: int) -> float:
         # The buckets arrive on a thread of their own while the engine keeps generating; then the
         # version is swapped in whole.
-        with span("sync", version=version):
+        with timeline.span("sync", version=version):
             got, tensors, stats = await _in_daemon_thread(receive_weights, sync)
         if got != version:
             raise RuntimeError(f"asked to receive weights v{version}, the learners sent v{got}")
-        with span("swap", version=version):
+        with timeline.span("swap", version=version):
             await engine.swap_weights(tensors.items(), version)
         logger.debug("engine %d: weights v%d, %.1f MB in %.3f s", engine_index, version, stats.bytes / 1e6,
                      stats.seconds)
         return stats.seconds
 
     conn = listener.accept()
-    asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": open_timeline}).run())
+    asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
+
+
+def _leave_stops_to_the_driver() -> None:
+    """An engine rank stops only when the driver stops it: a stop signal is the driver's to act
+    on (it checkpoints after the step, which needs the engines)."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: logger.info(
+        "engine rank: SIGTERM noted; the driver decides when to stop (it checkpoints after the step)"))
+
+
+class _RankTimeline:
+    """An engine rank's spans (weight receive, swap) in the run's timeline, from the moment the
+    driver names the run directory (``open``, served as the ``open_timeline`` call)."""
+
+    def __init__(self) -> None:
+        self._timeline = None
+
+    async def open(self, run_dir: str) -> None:
+        from ..telemetry.metrics import Timeline
+
+        self._timeline = Timeline(Path(run_dir) / "timeline.jsonl", rank=dist.get_rank())
+
+    def span(self, name: str, **attrs):
+        return self._timeline.span(name, **attrs) if self._timeline is not None else contextlib.nullcontext()
 
 
 def _in_daemon_thread(fn, *args) -> "asyncio.Future":
@@ -302,7 +309,7 @@ def _all_gather_ranks(role: str, engine_address=None, engine_pid: Optional[int] 
     chasing a rank)."""
     mine = {"rank": dist.get_rank(), "role": role, "host": socket.gethostname(), "pid": os.getpid(),
             "engine_address": engine_address, "engine_pid": engine_pid,
-            "channels": [(stage, tuple(vars(a).values())) for stage, a in channels]}
+            "channels": [(stage, a.as_tuple()) for stage, a in channels]}
     everyone: List = [None] * dist.get_world_size(group=dist.group.WORLD)
     dist.all_gather_object(everyone, mine, group=dist.group.WORLD)
     return everyone

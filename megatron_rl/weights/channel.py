@@ -33,6 +33,10 @@ class ChannelAddress:
     backend: str = "gloo"  # gloo | nccl
     name: str = "weights"
 
+    def as_tuple(self) -> tuple:
+        """Plain values, as an address travels (an all-gather, vLLM's msgpack RPC arguments)."""
+        return (self.host, self.port, self.size, self.backend, self.name)
+
 
 class ChannelHost:
     """The source's side: hosts the store now (so the address can be handed out) and makes the

@@ -235,7 +235,7 @@ class VLLMEngine(RolloutEngine):
             self._channel_host = ChannelHost("127.0.0.1", receivers=self.tp, backend=backend,
                                              timeout_s=self.weight_timeout_s)
         host = self._channel_host
-        await self._call(self._vllm.receive_start, [_address(host.address)], 1, self.weight_timeout_s)
+        await self._call(self._vllm.receive_start, [host.address.as_tuple()], 1, self.weight_timeout_s)
         loop = asyncio.get_running_loop()
         sent = loop.run_in_executor(None, send_stage, host.channel(), named_tensors, version)
         stats, _ = await asyncio.gather(sent, self._until_received())
@@ -393,11 +393,6 @@ class VLLMEngine(RolloutEngine):
             logger.error("%s; %d requests in flight fail", reason, len(self._in_flight))
             if self._dead is not None and not self._dead.done():
                 self._dead.set_result(None)
-
-
-def _address(a) -> tuple:
-    """A channel address as plain values (collective_rpc arguments travel as msgpack)."""
-    return (a.host, a.port, a.size, a.backend, a.name)
 
 
 def _finish_reason(reason: Optional[str]) -> Optional[str]:
