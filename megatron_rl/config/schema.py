@@ -45,8 +45,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     # Precision of parameters and compute: fp32 | bf16.
     dtype: str = "fp32"
-    # On a GPU, fused element-wise kernels where they need no TransformerEngine (SwiGLU compiled by
-    # torch.compile); false keeps the eager kernels. Ignored on a CPU, where they are always off.
+    # On a GPU, fused element-wise kernels where they need no TransformerEngine (SwiGLU and RoPE
+    # compiled by torch.compile); false keeps the eager kernels. Ignored on a CPU (always off).
     fused_kernels: bool = True
     # Mixture of experts: 0 keeps a dense MLP in every layer.
     num_experts: int = 0
@@ -195,6 +195,10 @@ class RolloutConfig:
     # entries (vLLM-style: cheaper; the recorded behaviour logprobs are still the ones sampled
     # from, which is what the decoupled loss corrects for).
     recompute_kv_on_update: bool = False
+    # On a GPU, the embedded engine replays each decode step from a CUDA graph (one per batch and
+    # cache-width bucket, captured on first use) instead of launching its ~2,000 kernels from
+    # Python; dense models only (MoE and multi-latent attention decode eagerly). Ignored on a CPU.
+    cuda_graphs: bool = True
     # Each request draws from its own random stream, seeded by trainer.seed and its request id, so
     # its tokens do not depend on which engine or batch serves it (two engines reproduce a
     # one-engine run). Costs one hash per vocab entry per row per decode step.

@@ -180,7 +180,8 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).
     engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
-                            recompute_kv_on_update=cfg.rollout.recompute_kv_on_update)
+                            recompute_kv_on_update=cfg.rollout.recompute_kv_on_update,
+                            cuda_graphs=cfg.rollout.cuda_graphs)
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address)
     timeline = _RankTimeline()
@@ -266,7 +267,8 @@ class _HostedEngine:
             self.engine_pid = (self.engine.engine_pids() or [None])[0]
         else:
             self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
-                                        recompute_kv_on_update=cfg.rollout.recompute_kv_on_update, device_index=gpu)
+                                        recompute_kv_on_update=cfg.rollout.recompute_kv_on_update, device_index=gpu,
+                                        cuda_graphs=cfg.rollout.cuda_graphs)
             self.engine_pid = self.engine.pid
         self.listener = EngineListener(host, authkey)
         self.loop = asyncio.new_event_loop()

@@ -218,6 +218,10 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     )
     norms_in_model_dtype(model, config.params_dtype)
     if cuda_available():
+        if cfg.fused_kernels:
+            from .compiled_rope import use_compiled_rope
+
+            use_compiled_rope()
         model = model.cuda(torch.cuda.current_device())
     return model
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention
@@ -48,6 +49,11 @@ class EngineKVContext(StaticInferenceContext):
         super().__init__(max_batch_size, max_sequence_length)
         self.layers: Dict[int, Cache] = {}
         self._model_config = model_config  # rotary_interleaved, for re-rotating moved keys
+        # A decode step with static shapes (rollout/embedded/decode_graphs.py), as a CUDA graph
+        # replays it: the new token's slot comes from this device tensor ([1] int64) instead of
+        # the Python offset, and every step reads ``static_width`` slots (the rest masked).
+        self.static_slot: Optional[torch.Tensor] = None
+        self.static_width = 0
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
         """Store ``key`` (rotated) and ``value`` ([new slots, rows, groups, dim]) at the current
@@ -57,6 +63,11 @@ class EngineKVContext(StaticInferenceContext):
             self.layers[layer] = (torch.zeros(shape, dtype=key.dtype, device=key.device),
                                   torch.zeros(shape, dtype=value.dtype, device=value.device))
         keys, values = self.layers[layer]
+        if self.static_slot is not None:
+            rows = slice(0, key.size(1))
+            keys[rows].index_copy_(2, self.static_slot, key.permute(1, 2, 0, 3))
+            values[rows].index_copy_(2, self.static_slot, value.permute(1, 2, 0, 3))
+            return keys[rows, :, : self.static_width], values[rows, :, : self.static_width]
         start, first = self.sequence_len_offset, self.batch_size_offset
         end, rows = start + key.size(0), slice(first, first + key.size(1))
         if end > self.max_sequence_length:
@@ -113,19 +124,28 @@ class EngineSelfAttention(SelfAttention):
             return super()._adjust_key_value_for_inference(
                 inference_context or inference_params, query, key, value, rotary_pos_emb, rotary_pos_cos,
                 rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset)
-        start = inference_context.sequence_len_offset
-        end = start + key.size(0)
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
-            key = apply_rotary_pos_emb(key, k_pos_emb[start:end], config=self.config)
-            rotary_pos_emb = (q_pos_emb[start:end], None)  # forward rotates the query only
+            slot = inference_context.static_slot
+            if slot is not None:  # one new token per row, at a slot held on the device
+                q_pos_emb, k_pos_emb = q_pos_emb.index_select(0, slot), k_pos_emb.index_select(0, slot)
+            else:
+                start = inference_context.sequence_len_offset
+                window = slice(start, start + key.size(0))
+                q_pos_emb, k_pos_emb = q_pos_emb[window], k_pos_emb[window]
+            key = apply_rotary_pos_emb(key, k_pos_emb, config=self.config)
+            rotary_pos_emb = (q_pos_emb, None)  # forward rotates the query only
         key, value = inference_context.write(self.layer_number, key, value)
         return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
 
 
 class CachedKVAttention(MegatronModule):
     """Core attention over ``EngineKVContext``'s cache view: query [sq, b, heads, dim], key and
-    value [b, groups, slots, dim], mask [b, 1, sq, slots] (True: masked) -> [sq, b, heads * dim]."""
+    value [b, groups, slots, dim], mask [b, 1, sq, slots] (True: masked; None: causal, the queries
+    being the last sq slots) -> [sq, b, heads * dim]."""
+
+    # A prefill runs torch's fused kernel on a GPU; tests set this to run it on a CPU as well.
+    fused_prefill_on_cpu = False
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
@@ -138,6 +158,11 @@ class CachedKVAttention(MegatronModule):
                 packed_seq_params=None):
         sq, b, heads, dim = query.shape
         groups = key.size(1)
+        if sq > 1 and (query.is_cuda or self.fused_prefill_on_cpu):
+            return self._fused_prefill(query, key, value, attention_mask)
+        if attention_mask is None:  # plain causal: the queries are the last sq of the slots
+            slots = key.size(2)
+            attention_mask = torch.ones(sq, slots, dtype=torch.bool, device=query.device).triu(slots - sq + 1)[None, None]
         # A group's query heads are consecutive (head i reads group i // (heads / groups)): one
         # batched matmul per group against its keys, no copy of the keys per head.
         q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups * sq, dim)
@@ -148,6 +173,30 @@ class CachedKVAttention(MegatronModule):
         probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
         out = torch.matmul(probs, value)  # [b, g, r * sq, dim]
         return out.view(b, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+    def _fused_prefill(self, query, key, value, attention_mask):
+        """A prefill on a GPU: torch's fused attention kernel, blockwise, instead of materialising
+        [b, heads, sq, slots] fp32 scores (at 256 prompts of 512 tokens, 3 GiB per layer)."""
+        sq, b, heads, dim = query.shape
+        groups, slots = key.size(1), key.size(2)
+        if attention_mask is None and sq == slots:  # a prefill from slot 0, no padding: flash attention
+            out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), key, value, is_causal=True,
+                                                 scale=self.softmax_scale, enable_gqa=heads != groups)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+        if attention_mask is None:
+            attention_mask = torch.ones(sq, slots, dtype=torch.bool, device=query.device).triu(slots - sq + 1)[None, None]
+        allowed = ~attention_mask.expand(b, 1, sq, slots)
+        # Queries end at the last slot. A left-padding query has no key to see, and some of torch's
+        # fused kernels give such a row NaN: let every query see its own slot (what a padding query computes
+        # is masked out of every real row).
+        diagonal = torch.arange(sq, device=query.device)
+        allowed[:, :, diagonal, diagonal + (slots - sq)] = True
+        if heads != groups:  # the memory-efficient kernel takes no grouped keys: one copy per head
+            key = key.repeat_interleave(heads // groups, dim=1)
+            value = value.repeat_interleave(heads // groups, dim=1)
+        out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), key, value, attn_mask=allowed,
+                                             scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
 
 
 def supports_kv_attention(config) -> bool:

@@ -32,11 +32,12 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
     r = cfg.rollout
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                             recompute_kv_on_update=r.recompute_kv_on_update, device_index=device_index)
+                             recompute_kv_on_update=r.recompute_kv_on_update, device_index=device_index,
+                             cuda_graphs=r.cuda_graphs)
     # Without overlap the engine computes on the learner's thread: one thread team for the cores.
     return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
                           executor=None if overlap else learner_executor,
-                          recompute_kv_on_update=r.recompute_kv_on_update)
+                          recompute_kv_on_update=r.recompute_kv_on_update, cuda_graphs=r.cuda_graphs)
 
 
 @ENGINES.register("vllm")

@@ -1,15 +1,17 @@
 """Benchmark: the embedded engine against transformers' ``generate`` on one GPU, same model.
 
     python tools/bench/engine_gpu.py [--batches 64,256] [--prompt-len 512] [--new-tokens 256]
-        [--vocab 151936] [--skip-hf] [--gap-rows 16]
+        [--vocab 151936] [--skip-hf] [--gap-rows 16] [--graphs on,off]
 
 One random-weight Hugging Face Qwen2 model of ``gsm8k_qwen2_gpu``'s shape (Qwen2-1.5B: 28 layers,
 hidden 1536, GQA 12/2) in bf16 is built with transformers; its weights are pushed into the
 embedded engine (Megatron GPTModel, KV cache), so both serve the same model. Both get the same
 prompts (random ids, --prompt-len each) and sample at T = 1 with no top-k/top-p and no stop token,
 so every request generates exactly --new-tokens tokens. Per batch size: the engine's tokens/s
-(all requests submitted at once, one warm-up request first) and ``generate``'s (one call over
-the whole batch, after a short warm-up call), and their ratio.
+(all requests submitted at once, after a warm-up of the same batch for 4 tokens; with decode steps replayed from CUDA
+graphs, ``--graphs on``, or launched eagerly, ``off``), the engine's prefill seconds and decode
+milliseconds per step, ``generate``'s tokens/s (one call over the whole batch, after a short
+warm-up call), and the ratio.
 Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
 logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token.
 """
@@ -38,8 +40,9 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tu
         await engine.pause()
         await engine.update_weights(weights, version=1)
         await engine.resume()
-        async for _ in engine.generate("warmup", prompts[0], SamplingParams(max_new_tokens=8, stream=False)):
-            pass
+        # Warm-up at the measured batch: kernels compiled, the decode graph of this batch captured.
+        warm = SamplingParams(max_new_tokens=4, stream=False)
+        await asyncio.gather(*(engine.generate_n([f"warm{i}"], p, warm) for i, p in enumerate(prompts)))
 
         async def one(i, ids):
             tokens, logprobs = [], []
@@ -80,6 +83,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="gsm8k_qwen2_gpu")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--gap-rows", type=int, default=16)
+    parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
     args = parser.parse_args()
 
     import transformers
@@ -102,23 +106,28 @@ def main() -> None:
     gap_out = None
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-        engine = EmbeddedEngine(cfg.model, args.vocab, max_batch_size=batch, seed=0)
-        took, out = engine_run(engine, prompts, args.new_tokens, weights)
-        tokens = sum(len(t) for t, _ in out)
-        assert tokens == batch * args.new_tokens, tokens
-        engine_tps = tokens / took
-        if gap_out is None:
-            gap_out = (engine, prompts, out)
-        else:
-            asyncio.run(engine.shutdown())
-            del engine
-        torch.cuda.empty_cache()
+        results = []
+        for graphs in args.graphs.split(","):
+            engine = EmbeddedEngine(cfg.model, args.vocab, max_batch_size=batch, seed=0, cuda_graphs=graphs == "on")
+            took, out = engine_run(engine, prompts, args.new_tokens, weights)
+            tokens = sum(len(t) for t, _ in out)
+            assert tokens == batch * args.new_tokens, tokens
+            st = engine.stats
+            results.append((graphs, tokens / took, st.prefill_s + st.admit_s,
+                            1e3 * st.decode_s / max(st.decode_steps, 1)))
+            if gap_out is None:
+                gap_out = (engine, prompts, out)
+            else:
+                asyncio.run(engine.shutdown())
+                del engine
+            torch.cuda.empty_cache()
         hf_tps = float("nan")
         if not args.skip_hf:
             hf_tps = batch * args.new_tokens / hf_run(hf_model, prompts, args.new_tokens)
-        rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {engine_tps:>12.0f} {hf_tps:>14.0f} "
-                    f"{engine_tps / hf_tps:>7.2f}x")
-        print(rows[-1], flush=True)
+        for graphs, engine_tps, prefill_s, step_ms in results:
+            rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {graphs:>6} {engine_tps:>12.0f} "
+                        f"{prefill_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} {engine_tps / hf_tps:>7.2f}x")
+            print(rows[-1], flush=True)
     del hf_model
     torch.cuda.empty_cache()
 
@@ -140,7 +149,8 @@ def main() -> None:
 
     print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.recipe} shape, vocab "
           f"{args.vocab}, bf16, T=1, no stop token ({torch.cuda.get_device_name()})")
-    print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'engine tok/s':>12} {'generate tok/s':>14} {'ratio':>8}")
+    print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs':>6} {'engine tok/s':>12} {'prefill s':>9} "
+          f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8}")
     for line in rows:
         print(line)
     print(gap_line)

@@ -136,7 +136,7 @@ def bind_thread_to_device(device: torch.device) -> None:
 class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
-                 recompute_kv_on_update: bool = False):
+                 recompute_kv_on_update: bool = False, cuda_graphs: bool = True):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own."""
         self.model_cfg = model_cfg
@@ -144,7 +144,7 @@ class EmbeddedEngine(RolloutEngine):
         self.model.eval()
         self.device = model_device()
         self._gen = KVCachedGenerator(self.model, max_batch_size, model_cfg.max_position_embeddings,
-                                      self.device, seed=seed)
+                                      self.device, seed=seed, cuda_graphs=cuda_graphs)
         self._version = version
         self._recompute_kv_on_update = recompute_kv_on_update
         self._owns_executor = executor is None

@@ -63,8 +63,13 @@ def distinct(sequences: Sequence[List[int]]) -> Tuple[List[List[int]], List[int]
 
 class KVCachedGenerator:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_seq_len: int,
-                 device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None):
+                 device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None,
+                 cuda_graphs: bool = True, static_decode: Optional[bool] = None):
+        """``cuda_graphs``: on a GPU, replay decode steps from CUDA graphs (decode_graphs.py) where
+        the model allows. ``static_decode=True`` runs that static-shape step without graphs (on a
+        CPU too; tests compare it with the eager step)."""
         from ...models.kv_attention import EngineKVContext
+        from .decode_graphs import StaticDecoder, make_static_decoder, static_decode_supported
 
         self.model = model
         self.device = device
@@ -78,7 +83,8 @@ class KVCachedGenerator:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.rows = 0
-        self._key_padding: Optional[torch.Tensor] = None  # [max_batch, cache_len] True where masked
+        # [max_batch, cache_len] True where masked; one tensor for the engine's life (graphs read it).
+        self._key_padding = torch.zeros(max_batch_size, self.cache_len, dtype=torch.bool, device=device)
         self._last: Optional[torch.Tensor] = None  # [rows] last sampled tokens
         self._streams: Optional[RowStreams] = None  # the rows' random streams; None: no row has one
         self.slides = 0  # times the window moved left (_slide_window)
@@ -86,6 +92,10 @@ class KVCachedGenerator:
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
         # with the batch's age until a rebuild).
         self._can_slide = not getattr(config, "multi_latent_attention", False)
+        if static_decode and static_decode_supported(config):
+            self._static: Optional[StaticDecoder] = StaticDecoder(model, self.context, self._key_padding, capture=False)
+        else:
+            self._static = make_static_decoder(model, self.context, self._key_padding, cuda_graphs)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
@@ -115,7 +125,7 @@ class KVCachedGenerator:
             padding[row, : end - len(seq)] = True
         return tokens.to(self.device), padding.to(self.device)
 
-    def _logits(self, tokens: torch.Tensor, start: int, mask: torch.Tensor) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, s = tokens.shape
         positions = torch.arange(start, start + s, device=self.device).unsqueeze(0).expand(b, s)
         logits = self.model(tokens, positions, mask, inference_context=self.context,
@@ -134,9 +144,12 @@ class KVCachedGenerator:
         self.rows = len(sequences)
         unique, source = distinct(sequences)
         tokens, padding = self._left_pad(unique, width, end=width)
-        self._key_padding = torch.zeros(self.max_batch_size, self.cache_len, dtype=torch.bool, device=self.device)
+        self._key_padding.zero_()
         self._key_padding[: len(unique)] = padding
-        mask = causal_mask(width, self.device) | self._key_padding[: len(unique), None, None, :width]
+        # Sequences of one length need no padding mask: None is the plain causal mask, which the
+        # GPU's flash kernel computes without reading a mask (kv_attention.py).
+        uniform = all(len(seq) == width for seq in unique)
+        mask = None if uniform else causal_mask(width, self.device) | self._key_padding[: len(unique), None, None, :width]
         logits = self._logits(tokens, 0, mask)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
@@ -185,7 +198,7 @@ class KVCachedGenerator:
             self._move_rows(n, rank.to(self.device) + n)
         self._last = torch.cat([self._last, new])
         self._streams = join_streams(self._streams, n, incoming.advanced() if incoming is not None else None, m)
-        return new.tolist(), logprobs.tolist()
+        return to_host(new, logprobs)
 
     def _move_rows(self, first: int, source: torch.Tensor) -> None:
         """Rows first.. become copies of rows ``source`` (cache entries and key padding)."""
@@ -232,8 +245,11 @@ class KVCachedGenerator:
         position = self.context.sequence_len_offset
         if position >= self.cache_len:
             raise RuntimeError(f"KV cache of {self.cache_len} slots is full")
-        mask = self._key_padding[: self.rows, None, None, : position + 1]
-        logits = self._logits(self._last.unsqueeze(1), position, mask)
+        if self._static is not None:
+            logits = self._static.step(self._last, position)
+        else:
+            mask = self._key_padding[: self.rows, None, None, : position + 1]
+            logits = self._logits(self._last.unsqueeze(1), position, mask)
         self.context.sequence_len_offset += 1
         return self._sample(logits, params)
 
@@ -275,4 +291,13 @@ class KVCachedGenerator:
         self._last = new
         if self._streams is not None:
             self._streams = self._streams.advanced()
-        return new.tolist(), logprobs.tolist()
+        return to_host(new, logprobs)
+
+
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> Sampled:
+    """Both as Python lists after one wait for the device (two ``.tolist()`` calls wait twice)."""
+    if tokens.is_cuda:
+        stream = torch.cuda.current_stream(tokens.device)
+        tokens, logprobs = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
+        stream.synchronize()
+    return tokens.tolist(), logprobs.tolist()

@@ -1,0 +1,126 @@
+"""The embedded engine's decode step with static shapes, replayed from CUDA graphs on a GPU.
+
+A decode step of a 1.5B model at batch 256 runs about 1,800 small kernels. Launched one by one
+from Python, the GPU waits on the launches (measured on an H200: 50 ms of wall time for 6 ms of
+kernels at batch 64). A CUDA graph records the step's kernels once and replays them with one
+launch, but only if nothing in the step depends on host values that change between steps. So
+the step here has static shapes:
+
+- the new token's cache slot is a device tensor (``EngineKVContext.static_slot``): the keys'
+  rotation and the cache write read it on the device instead of slicing by the Python offset;
+- attention reads a fixed number of slots (the offset rounded up to a bucket of ``WIDTH_STEP``)
+  and masks the ones after the new token; masked slots get zero weight, so the logits are those
+  of the exact-width step (up to float rounding);
+- the batch is rounded up to a bucket of rows; rows past the live ones compute on whatever their
+  cache holds and are ignored (every row's attention and MLP read only that row).
+
+One graph is captured per (rows, slots) bucket on first use, all in one memory pool (graphs never
+run at once). Weight updates copy into the same parameter tensors, so graphs stay valid. On a CPU
+(``capture=False``) the same static-shape step runs eagerly: tests compare it with the eager step.
+Sampling stays outside the graph (it reads the engine's random generator and the rows' streams).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# Attention widths are multiples of this many slots: a step attends over at most this many
+# masked slots more than it needs, and a batch's life crosses one bucket per this many tokens.
+WIDTH_STEP = 256
+
+
+def row_bucket(rows: int, max_rows: int) -> int:
+    """The captured batch size that serves ``rows`` live rows: the next power of two (at least 8),
+    capped at the engine's largest batch."""
+    bucket = 8
+    while bucket < rows:
+        bucket *= 2
+    return min(bucket, max_rows)
+
+
+def width_bucket(slots: int, cache_len: int) -> int:
+    """The attention width that covers ``slots`` slots: the next multiple of ``WIDTH_STEP``, capped
+    at the cache's length."""
+    return min(-(-slots // WIDTH_STEP) * WIDTH_STEP, cache_len)
+
+
+class StaticDecoder:
+    """Decode steps of static shape over ``context``'s cache, CUDA graphs when ``capture``."""
+
+    def __init__(self, model: torch.nn.Module, context, key_padding: torch.Tensor, capture: bool):
+        self.model = model
+        self.context = context
+        self.key_padding = key_padding  # the generator's [max_batch, cache_len] mask, never reallocated
+        self.max_rows, self.cache_len = key_padding.shape
+        device = key_padding.device
+        self.tokens = torch.zeros(self.max_rows, 1, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_rows, 1, dtype=torch.long, device=device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)
+        self.slot_ids = torch.arange(self.cache_len, device=device)
+        self.capture = capture
+        self.graphs: Dict[Tuple[int, int], Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+
+    def step(self, last: torch.Tensor, offset: int) -> torch.Tensor:
+        """The next-token logits [rows, V] of rows whose last tokens are ``last`` ([rows]), written
+        to slot ``offset`` (the context's offset, which the caller advances)."""
+        rows = last.size(0)
+        bucket = (row_bucket(rows, self.max_rows), width_bucket(offset + 1, self.cache_len))
+        self.tokens[:rows, 0].copy_(last)
+        self.slot.fill_(offset)
+        self.positions.fill_(offset)
+        if not self.capture:
+            return self._forward(*bucket)[:rows]
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            graph = self.graphs[bucket] = self._record(*bucket)
+        graph[0].replay()
+        return graph[1][:rows]
+
+    def _forward(self, rows: int, width: int) -> torch.Tensor:
+        context = self.context
+        mask = self.key_padding[:rows, None, None, :width] | (self.slot_ids[:width] > self.slot)
+        context.static_slot, context.static_width = self.slot, width
+        try:
+            logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context, runtime_gather_output=True)
+        finally:
+            context.static_slot = None
+        return logits[:, -1, :]
+
+    def _record(self, rows: int, width: int) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+        """Capture one bucket's step. Warm-up runs first, on a side stream as capture needs (they
+        make cuBLAS's workspaces and any lazily built buffers); they rewrite the current slot with
+        the same values the replay will write."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(rows, width)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the engine captures on its compute thread while a colocated learner may
+        # be launching its own work on another.
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            out = self._forward(rows, width)
+        return graph, out
+
+
+def static_decode_supported(config) -> bool:
+    """Whether the model's decode step has static shapes: dense layers with the engine's own KV
+    attention (models/kv_attention.py). Routing mixtures of experts sorts tokens by expert on the
+    host, and multi-latent attention keeps Megatron's cache path."""
+    from ...models.kv_attention import supports_kv_attention
+
+    return config is not None and not config.num_moe_experts and supports_kv_attention(config)
+
+
+def make_static_decoder(model: torch.nn.Module, context, key_padding: torch.Tensor,
+                        enabled: bool) -> Optional[StaticDecoder]:
+    """A graph-replaying decoder for a model on a GPU (None where the step cannot be static or
+    ``enabled`` is false: the eager step then runs)."""
+    config = getattr(model, "config", None)
+    if not enabled or key_padding.device.type != "cuda" or not static_decode_supported(config):
+        return None
+    return StaticDecoder(model, context, key_padding, capture=True)

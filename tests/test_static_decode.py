@@ -1,0 +1,107 @@
+"""The engine's static-shape decode step (what a CUDA graph replays on a GPU) samples what the
+eager step samples, and the fused prefill attention computes what the engine's matmul path does.
+
+CI has no GPU: the static step runs here without capture (same shapes, same device-held slot,
+same masked width and row buckets); capture itself is the only part left to the GPU benchmark.
+"""
+
+import pytest
+import torch
+
+from megatron_rl.types import SamplingParams
+
+from hf_helpers import FAMILY_CONFIGS, hf_config
+
+
+def _model(family: str):
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_gpt_model
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = {**hf_config(family).to_dict(), "architectures": [get_family(family).architecture]}
+    cfg, vocab = model_config_from_hf(hf)
+    model = build_gpt_model(cfg, vocab, kv_attention=True).eval()
+    with torch.no_grad():  # random, not Megatron's near-zero init, so every weight matters
+        gen = torch.Generator().manual_seed(1)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if p.ndim == 1 else 0.0))
+    return model
+
+
+def _script(model, static: bool):
+    """Prefill rows of different lengths, decode across attention-width buckets, admit newcomers
+    while a finished row is compacted away, decode until the window slides."""
+    from megatron_rl.models.gpt import model_device
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    gen = KVCachedGenerator(model, max_batch_size=12, max_seq_len=64, device=model_device(), seed=5,
+                            static_decode=static)
+    assert (gen._static is not None) == static
+    params = SamplingParams(max_new_tokens=60)
+    out = [gen.prefill([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12]], params)]
+    out += [gen.decode(params) for _ in range(12)]
+    out.append(gen.admit([0, 2], [[13, 14, 15, 16], [17, 18], [19, 20, 21]], params))
+    out += [gen.decode(params) for _ in range(14)]
+    out.append(gen.admit([], [[22, 23, 24, 25, 26]], params))  # one row left: the window slides
+    out += [gen.decode(params) for _ in range(24)]
+    assert gen.slides >= 1
+    tokens = [t for step, _ in out for t in step]
+    return tokens, torch.tensor([lp for _, step in out for lp in step])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, monkeypatch, family):
+    """Widths of 8 slots: the script crosses several width buckets, runs 1..5 live rows in buckets
+    of 8 (dead rows compute beside them), and slides the window (the width shrinks again).
+    Mixtures of experts and multi-latent attention keep the eager step."""
+    from megatron_rl.rollout.embedded import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "WIDTH_STEP", 8)
+    model = _model(family)
+    if not decode_graphs.static_decode_supported(model.config):
+        assert model.config.num_moe_experts or model.config.multi_latent_attention
+        pytest.skip(f"{family} decodes eagerly (mixture of experts or multi-latent attention)")
+    tokens, logprobs = _script(model, static=False)
+    static_tokens, static_logprobs = _script(model, static=True)
+    assert static_tokens == tokens
+    gap = (static_logprobs - logprobs).abs().max().item()
+    print(f"{family}: {len(tokens)} tokens, static vs eager decode: max logprob gap {gap:.2e}")
+    assert gap <= 1e-5, gap
+
+
+def test_buckets():
+    from megatron_rl.rollout.embedded.decode_graphs import WIDTH_STEP, row_bucket, width_bucket
+
+    assert [row_bucket(n, 256) for n in (1, 8, 9, 64, 65, 200, 256)] == [8, 8, 16, 64, 128, 256, 256]
+    assert row_bucket(100, 96) == 96
+    assert width_bucket(1, 4096) == WIDTH_STEP and width_bucket(WIDTH_STEP + 1, 4096) == 2 * WIDTH_STEP
+    assert width_bucket(4000, 3000) == 3000
+
+
+def test_fused_prefill_attention_equals_the_matmul_path(megatron_world, monkeypatch):
+    """The GPU prefill (torch's fused kernel, each query also allowed its own slot) gives the
+    real rows what the matmul path gives them; left-padded rows and GQA (qwen2: 4 heads, 2 groups)."""
+    from megatron_rl.models.kv_attention import CachedKVAttention
+
+    model = _model("qwen2")
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(CachedKVAttention, "fused_prefill_on_cpu", fused)
+        runs.append(_script(model, static=False) + _uniform_prefill(model))
+    (tokens, logprobs, u_tokens, u_logprobs), (f_tokens, f_logprobs, fu_tokens, fu_logprobs) = runs
+    assert f_tokens == tokens and fu_tokens == u_tokens
+    gap = max((f_logprobs - logprobs).abs().max().item(), (fu_logprobs - u_logprobs).abs().max().item())
+    print(f"fused vs matmul prefill: max logprob gap {gap:.2e}")
+    assert gap <= 1e-5, gap
+
+
+def _uniform_prefill(model):
+    """Prompts of one length: the prefill passes no mask (flash attention's causal path on a GPU)."""
+    from megatron_rl.models.gpt import model_device
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    gen = KVCachedGenerator(model, max_batch_size=4, max_seq_len=32, device=model_device(), seed=2)
+    params = SamplingParams(max_new_tokens=10)
+    out = [gen.prefill([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], params)]
+    out += [gen.decode(params) for _ in range(8)]
+    return [t for step, _ in out for t in step], torch.tensor([lp for _, step in out for lp in step])
