@@ -99,3 +99,32 @@ def test_no_float32_tensor_of_the_whole_token_budget():
     with LargestFloat32() as mode:
         reference(logits.detach().float(), targets, 0.9)
     assert mode.largest >= tokens * vocab
+
+
+def test_model_logits_are_the_lm_heads_own_tensor(megatron_world):
+    """GPTModel returns [b, s, V] logits by transposing the head's [s, b, V] output and copying it
+    (10 GB per 16k tokens at a 152k vocabulary). Our head writes batch-major, so what the model
+    returns is the head's own tensor, not a copy, and values and gradients are unchanged."""
+    from megatron_rl.config.schema import RootConfig
+    from megatron_rl.models.gpt import build_gpt_model
+
+    cfg = RootConfig()
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size = 64, 128
+    model = build_gpt_model(cfg.model, 48)
+    heads = []
+    model.output_layer.register_forward_hook(lambda module, args, output: heads.append(output[0]))
+    tokens = torch.randint(0, 48, (3, 7), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(7).expand(3, 7)
+    logits = model(tokens, positions, None)
+    assert logits.shape == (3, 7, 48) and logits.is_contiguous()
+    assert logits.data_ptr() == heads[-1].data_ptr()  # no copy after the head
+    logits.pow(2).sum().backward()
+    grad = model.output_layer.weight.grad.clone()
+
+    model.output_layer._forward_pre_hooks.clear()  # megatron-core's own [s, b, V] head
+    model.output_layer._forward_hooks.clear()
+    model.zero_grad(set_to_none=True)
+    reference = model(tokens, positions, None)
+    reference.pow(2).sum().backward()
+    torch.testing.assert_close(logits, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad, model.output_layer.weight.grad, rtol=1e-5, atol=1e-5)

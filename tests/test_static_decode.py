@@ -49,14 +49,18 @@ def _script(model, static: bool):
     return tokens, torch.tensor([lp for _, step in out for lp in step])
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["matmul", "fused"])
 @pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
-def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, monkeypatch, family):
+def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, monkeypatch, family, fused):
     """Widths of 8 slots: the script crosses several width buckets, runs 1..5 live rows in buckets
     of 8 (dead rows compute beside them), and slides the window (the width shrinks again).
-    Mixtures of experts and multi-latent attention keep the eager step."""
+    Mixtures of experts and multi-latent attention keep the eager step. ``fused``: attention
+    through torch's fused kernels, as on a GPU."""
+    from megatron_rl.models.kv_attention import CachedKVAttention
     from megatron_rl.rollout.embedded import decode_graphs
 
     monkeypatch.setattr(decode_graphs, "WIDTH_STEP", 8)
+    monkeypatch.setattr(CachedKVAttention, "fused_on_cpu", fused)
     model = _model(family)
     if not decode_graphs.static_decode_supported(model.config):
         assert model.config.num_moe_experts or model.config.multi_latent_attention
@@ -78,20 +82,21 @@ def test_buckets():
     assert width_bucket(4000, 3000) == 3000
 
 
-def test_fused_prefill_attention_equals_the_matmul_path(megatron_world, monkeypatch):
-    """The GPU prefill (torch's fused kernel, each query also allowed its own slot) gives the
-    real rows what the matmul path gives them; left-padded rows and GQA (qwen2: 4 heads, 2 groups)."""
+def test_fused_attention_equals_the_matmul_path(megatron_world, monkeypatch):
+    """The GPU's attention (torch's fused kernels; a prefill's queries also allowed their own
+    slot) gives the real rows what the matmul path gives them: left-padded rows, GQA (qwen2: 4
+    heads, 2 groups), prefill, admission and decode."""
     from megatron_rl.models.kv_attention import CachedKVAttention
 
     model = _model("qwen2")
     runs = []
     for fused in (False, True):
-        monkeypatch.setattr(CachedKVAttention, "fused_prefill_on_cpu", fused)
+        monkeypatch.setattr(CachedKVAttention, "fused_on_cpu", fused)
         runs.append(_script(model, static=False) + _uniform_prefill(model))
     (tokens, logprobs, u_tokens, u_logprobs), (f_tokens, f_logprobs, fu_tokens, fu_logprobs) = runs
     assert f_tokens == tokens and fu_tokens == u_tokens
     gap = max((f_logprobs - logprobs).abs().max().item(), (fu_logprobs - u_logprobs).abs().max().item())
-    print(f"fused vs matmul prefill: max logprob gap {gap:.2e}")
+    print(f"fused vs matmul attention: max logprob gap {gap:.2e}")
     assert gap <= 1e-5, gap
 
 

@@ -144,8 +144,8 @@ class CachedKVAttention(MegatronModule):
     value [b, groups, slots, dim], mask [b, 1, sq, slots] (True: masked; None: causal, the queries
     being the last sq slots) -> [sq, b, heads * dim]."""
 
-    # A prefill runs torch's fused kernel on a GPU; tests set this to run it on a CPU as well.
-    fused_prefill_on_cpu = False
+    # On a GPU attention runs torch's fused kernels; tests set this to run them on a CPU as well.
+    fused_on_cpu = False
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
@@ -158,8 +158,10 @@ class CachedKVAttention(MegatronModule):
                 packed_seq_params=None):
         sq, b, heads, dim = query.shape
         groups = key.size(1)
-        if sq > 1 and (query.is_cuda or self.fused_prefill_on_cpu):
-            return self._fused_prefill(query, key, value, attention_mask)
+        if query.is_cuda or self.fused_on_cpu:
+            if sq > 1:
+                return self._fused_prefill(query, key, value, attention_mask)
+            return self._fused_decode(query, key, value, attention_mask)
         if attention_mask is None:  # plain causal: the queries are the last sq of the slots
             slots = key.size(2)
             attention_mask = torch.ones(sq, slots, dtype=torch.bool, device=query.device).triu(slots - sq + 1)[None, None]
@@ -173,6 +175,16 @@ class CachedKVAttention(MegatronModule):
         probs = torch.softmax(scores.float(), dim=-1).to(value.dtype)
         out = torch.matmul(probs, value)  # [b, g, r * sq, dim]
         return out.view(b, heads, sq, dim).permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+    def _fused_decode(self, query, key, value, attention_mask):
+        """One new token per row: a group's query heads are the "sequence" of one fused call over
+        that group's keys (no copy of the keys per head), every query masked alike. Each row must
+        see at least one slot (a fully masked row would be NaN): its new token's own."""
+        _, b, heads, dim = query.shape
+        groups = key.size(1)
+        q = query.reshape(b, groups, heads // groups, dim)
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=~attention_mask, scale=self.softmax_scale)
+        return out.reshape(1, b, heads * dim)
 
     def _fused_prefill(self, query, key, value, attention_mask):
         """A prefill on a GPU: torch's fused attention kernel, blockwise, instead of materialising

@@ -1,17 +1,18 @@
 """Benchmark: the embedded engine against transformers' ``generate`` on one GPU, same model.
 
     python tools/bench/engine_gpu.py [--batches 64,256] [--prompt-len 512] [--new-tokens 256]
-        [--vocab 151936] [--skip-hf] [--gap-rows 16] [--graphs on,off]
+        [--vocab 151936] [--skip-hf] [--gap-rows 16] [--graphs on,off] [--profile]
 
 One random-weight Hugging Face Qwen2 model of ``gsm8k_qwen2_gpu``'s shape (Qwen2-1.5B: 28 layers,
 hidden 1536, GQA 12/2) in bf16 is built with transformers; its weights are pushed into the
 embedded engine (Megatron GPTModel, KV cache), so both serve the same model. Both get the same
 prompts (random ids, --prompt-len each) and sample at T = 1 with no top-k/top-p and no stop token,
 so every request generates exactly --new-tokens tokens. Per batch size: the engine's tokens/s
-(all requests submitted at once, after a warm-up of the same batch for 4 tokens; with decode steps replayed from CUDA
-graphs, ``--graphs on``, or launched eagerly, ``off``), the engine's prefill seconds and decode
-milliseconds per step, ``generate``'s tokens/s (one call over the whole batch, after a short
-warm-up call), and the ratio.
+(all requests submitted at once, after a warm-up of the same batch for 4 tokens; decode steps
+replayed from CUDA graphs, ``--graphs on``, or launched eagerly, ``off``), its prefill seconds and
+decode milliseconds per step, ``generate``'s tokens/s (one call over the whole batch, after a
+short warm-up call), and the ratio. ``--profile``: the decode step's wall and kernel time and its
+heaviest kernels, per batch.
 Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
 logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token.
 """
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tuple[float, list]:
+    from megatron_rl.rollout.embedded.engine import EngineStats
     from megatron_rl.types import SamplingParams
 
     async def go():
@@ -43,6 +45,7 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tu
         # Warm-up at the measured batch: kernels compiled, the decode graph of this batch captured.
         warm = SamplingParams(max_new_tokens=4, stream=False)
         await asyncio.gather(*(engine.generate_n([f"warm{i}"], p, warm) for i, p in enumerate(prompts)))
+        engine.stats = EngineStats()  # the table's prefill and step times are the measured run's
 
         async def one(i, ids):
             tokens, logprobs = [], []
@@ -58,6 +61,35 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tu
         return time.perf_counter() - start, out
 
     return asyncio.run(go())
+
+
+def profile_decode(engine, prompts: List[List[int]], steps: int = 8) -> None:
+    """Wall and kernel time of the engine's decode step (graph replay, sampling, host sync) at
+    this batch, and its heaviest kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_rl.types import SamplingParams
+
+    gen = engine._gen
+    params = SamplingParams(max_new_tokens=3 * steps)
+    gen.prefill(prompts, params)
+    for _ in range(2):
+        gen.decode(params)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        gen.decode(params)
+    wall = (time.perf_counter() - start) / steps
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            gen.decode(params)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
+    kernel_ms = sum(e.device_time_total for e in events) / steps / 1e3
+    print(f"decode step at {len(prompts)} rows: wall {wall * 1e3:.2f} ms, kernels {kernel_ms:.2f} ms "
+          f"(graphs: {sorted(getattr(gen._static, 'graphs', {}))})")
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
+        print(f"    {e.device_time_total / steps / 1e3:7.3f} ms/step {e.count // steps:5d}x {e.key[:110]}")
 
 
 def hf_run(model, prompts: List[List[int]], new_tokens: int) -> float:
@@ -83,6 +115,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="gsm8k_qwen2_gpu")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--gap-rows", type=int, default=16)
+    parser.add_argument("--profile", action="store_true", help="profile the decode step at each batch")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
     args = parser.parse_args()
 
@@ -113,6 +146,8 @@ def main() -> None:
             tokens = sum(len(t) for t, _ in out)
             assert tokens == batch * args.new_tokens, tokens
             st = engine.stats
+            if args.profile:
+                profile_decode(engine, prompts)
             results.append((graphs, tokens / took, st.prefill_s + st.admit_s,
                             1e3 * st.decode_s / max(st.decode_steps, 1)))
             if gap_out is None:

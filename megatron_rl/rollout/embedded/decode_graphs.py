@@ -81,7 +81,10 @@ class StaticDecoder:
 
     def _forward(self, rows: int, width: int) -> torch.Tensor:
         context = self.context
-        mask = self.key_padding[:rows, None, None, :width] | (self.slot_ids[:width] > self.slot)
+        slots = self.slot_ids[:width]
+        # Slots after the new token are masked; the new token's own never is (a row past the live
+        # ones may hold any padding, and a row with no slot to see would be NaN in a fused kernel).
+        mask = (self.key_padding[:rows, None, None, :width] & (slots != self.slot)) | (slots > self.slot)
         context.static_slot, context.static_width = self.slot, width
         try:
             logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context, runtime_gather_output=True)

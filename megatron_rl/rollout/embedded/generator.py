@@ -88,6 +88,9 @@ class KVCachedGenerator:
         self._last: Optional[torch.Tensor] = None  # [rows] last sampled tokens
         self._streams: Optional[RowStreams] = None  # the rows' random streams; None: no row has one
         self.slides = 0  # times the window moved left (_slide_window)
+        # The first cache slot any row uses, while the rows stay as they are (None: to be read
+        # from the device, once; decode steps do not move it).
+        self._first_used: Optional[int] = None
         # Megatron's multi-latent attention rotates keys before caching them, in a layout of its
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
         # with the batch's age until a rebuild).
@@ -141,6 +144,7 @@ class KVCachedGenerator:
         if len(sequences) > self.max_batch_size:
             raise ValueError(f"batch of {len(sequences)} exceeds rollout.max_batch_size={self.max_batch_size}")
         self.context.reset()
+        self._first_used = None
         self.rows = len(sequences)
         unique, source = distinct(sequences)
         tokens, padding = self._left_pad(unique, width, end=width)
@@ -166,6 +170,7 @@ class KVCachedGenerator:
         Newcomers are prefilled in groups of similar length (one forward each), so a few long
         prompts do not pad every newcomer to their length."""
         offset, n, m = self.offset, len(keep), len(sequences)
+        self._first_used = None
         if n + m > self.max_batch_size:
             raise ValueError(f"batch of {n + m} exceeds rollout.max_batch_size={self.max_batch_size}")
         if keep != list(range(n)):
@@ -266,9 +271,10 @@ class KVCachedGenerator:
         if offset <= floor or not self.rows or not self._can_slide:
             return
         padding = self._key_padding[: self.rows, :offset]
-        # Rows are right-aligned: their padding is a prefix; argmax finds each row's first real slot.
-        first_used = int((~padding).to(torch.uint8).argmax(dim=1).min())
-        shift = min(first_used, offset - floor)
+        if self._first_used is None:
+            # Rows are right-aligned: their padding is a prefix; argmax finds each row's first real slot.
+            self._first_used = int((~padding).to(torch.uint8).argmax(dim=1).min())
+        shift = min(self._first_used, offset - floor)
         if shift < max(16, offset // 4):  # not worth a copy of the cache
             return
         kept = offset - shift
@@ -276,6 +282,7 @@ class KVCachedGenerator:
         self._key_padding[: self.rows, :kept] = padding[:, shift:].clone()
         self._key_padding[: self.rows, kept:] = False
         self.context.sequence_len_offset = kept
+        self._first_used -= shift
         self.slides += 1
 
     def _unrotation(self, shift: int) -> Optional[torch.Tensor]:
