@@ -146,6 +146,9 @@ class CachedKVAttention(MegatronModule):
 
     # On a GPU attention runs torch's fused kernels; tests set this to run them on a CPU as well.
     fused_on_cpu = False
+    # A decode step's attention on a GPU: sdpa (torch's fused kernel) | matmul (two batched
+    # matmuls, as on a CPU). tools/bench/engine_gpu.py --decode-attention compares them.
+    decode_kernel = "sdpa"
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
@@ -161,7 +164,8 @@ class CachedKVAttention(MegatronModule):
         if query.is_cuda or self.fused_on_cpu:
             if sq > 1:
                 return self._fused_prefill(query, key, value, attention_mask)
-            return self._fused_decode(query, key, value, attention_mask)
+            if self.decode_kernel == "sdpa":
+                return self._fused_decode(query, key, value, attention_mask)
         if attention_mask is None:  # plain causal: the queries are the last sq of the slots
             slots = key.size(2)
             attention_mask = torch.ones(sq, slots, dtype=torch.bool, device=query.device).triu(slots - sq + 1)[None, None]

@@ -2,6 +2,7 @@
 
     python tools/bench/engine_gpu.py [--batches 64,256] [--prompt-len 512] [--new-tokens 256]
         [--vocab 151936] [--skip-hf] [--gap-rows 16] [--graphs on,off] [--profile]
+        [--decode-attention sdpa,efficient,matmul]
 
 One random-weight Hugging Face Qwen2 model of ``gsm8k_qwen2_gpu``'s shape (Qwen2-1.5B: 28 layers,
 hidden 1536, GQA 12/2) in bf16 is built with transformers; its weights are pushed into the
@@ -12,7 +13,7 @@ so every request generates exactly --new-tokens tokens. Per batch size: the engi
 replayed from CUDA graphs, ``--graphs on``, or launched eagerly, ``off``), its prefill seconds and
 decode milliseconds per step, ``generate``'s tokens/s (one call over the whole batch, after a
 short warm-up call), and the ratio. ``--profile``: the decode step's wall and kernel time and its
-heaviest kernels, per batch.
+heaviest kernels, per batch. ``--decode-attention``: the decode step's attention kernel(s).
 Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
 logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token.
 """
@@ -63,6 +64,15 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tu
     return asyncio.run(go())
 
 
+def use_decode_attention(name: str) -> None:
+    """sdpa: torch's fused kernel, whichever backend it picks (cuDNN on an H200); efficient: the
+    same with cuDNN's backend off (the memory-efficient kernel); matmul: two batched matmuls."""
+    from megatron_rl.models.kv_attention import CachedKVAttention
+
+    CachedKVAttention.decode_kernel = "matmul" if name == "matmul" else "sdpa"
+    torch.backends.cuda.enable_cudnn_sdp(name != "efficient")
+
+
 def profile_decode(engine, prompts: List[List[int]], steps: int = 8) -> None:
     """Wall and kernel time of the engine's decode step (graph replay, sampling, host sync) at
     this batch, and its heaviest kernels."""
@@ -88,7 +98,7 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8) -> None:
     kernel_ms = sum(e.device_time_total for e in events) / steps / 1e3
     print(f"decode step at {len(prompts)} rows: wall {wall * 1e3:.2f} ms, kernels {kernel_ms:.2f} ms "
           f"(graphs: {sorted(getattr(gen._static, 'graphs', {}))})")
-    for e in sorted(events, key=lambda e: -e.device_time_total)[:15]:
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:8]:
         print(f"    {e.device_time_total / steps / 1e3:7.3f} ms/step {e.count // steps:5d}x {e.key[:110]}")
 
 
@@ -115,6 +125,8 @@ def main() -> None:
     parser.add_argument("--recipe", default="gsm8k_qwen2_gpu")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--gap-rows", type=int, default=16)
+    parser.add_argument("--decode-attention", default="sdpa",
+                        help="sdpa | efficient | matmul (comma-separated to compare): the decode step's attention")
     parser.add_argument("--profile", action="store_true", help="profile the decode step at each batch")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
     args = parser.parse_args()
@@ -140,7 +152,9 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
         results = []
-        for graphs in args.graphs.split(","):
+        variants = [(g, a) for g in args.graphs.split(",") for a in args.decode_attention.split(",")]
+        for graphs, attention in variants:
+            use_decode_attention(attention)
             engine = EmbeddedEngine(cfg.model, args.vocab, max_batch_size=batch, seed=0, cuda_graphs=graphs == "on")
             took, out = engine_run(engine, prompts, args.new_tokens, weights)
             tokens = sum(len(t) for t, _ in out)
@@ -148,7 +162,7 @@ def main() -> None:
             st = engine.stats
             if args.profile:
                 profile_decode(engine, prompts)
-            results.append((graphs, tokens / took, st.prefill_s + st.admit_s,
+            results.append((f"{graphs}/{attention}", tokens / took, st.prefill_s + st.admit_s,
                             1e3 * st.decode_s / max(st.decode_steps, 1)))
             if gap_out is None:
                 gap_out = (engine, prompts, out)
@@ -160,7 +174,7 @@ def main() -> None:
         if not args.skip_hf:
             hf_tps = batch * args.new_tokens / hf_run(hf_model, prompts, args.new_tokens)
         for graphs, engine_tps, prefill_s, step_ms in results:
-            rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {graphs:>6} {engine_tps:>12.0f} "
+            rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {graphs:>15} {engine_tps:>12.0f} "
                         f"{prefill_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} {engine_tps / hf_tps:>7.2f}x")
             print(rows[-1], flush=True)
     del hf_model
@@ -184,7 +198,7 @@ def main() -> None:
 
     print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.recipe} shape, vocab "
           f"{args.vocab}, bf16, T=1, no stop token ({torch.cuda.get_device_name()})")
-    print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs':>6} {'engine tok/s':>12} {'prefill s':>9} "
+    print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs/decode':>15} {'engine tok/s':>12} {'prefill s':>9} "
           f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8}")
     for line in rows:
         print(line)
