@@ -1,4 +1,4 @@
-"""RoPE through torch.compile on a GPU without TransformerEngine.
+"""RoPE through torch.compile on a GPU without TransformerEngine, and compiled code beside threads.
 
 megatron-core's unfused rotary function (``rope_utils._apply_rotary_pos_emb_bshd``) runs about ten
 element-wise kernels per call (cos, sin, scale, casts, rotate-half's split, negate and concatenate,
@@ -38,3 +38,18 @@ def use_compiled_rope() -> None:
 
     rope_utils._apply_rotary_pos_emb_bshd = rotary
     _installed = True
+
+
+def compiled_calls_beside_tracing() -> None:
+    """Let a compiled function run (eagerly) while another thread traces one.
+
+    torch.compile traces a function with FX, and FX's "tracing now" flag is global to the process,
+    not to the thread. With the engine decoding on its thread while the learner compiles on its
+    own (eta > 0 in one process: seen on an H200, the first training step compiling while the
+    engine decoded), every compiled call the engine made during that time raised "Detected that
+    you are using FX to symbolically trace a dynamo-optimized function". With this setting such a
+    call runs the function's eager code instead: the same arithmetic, for the few seconds a
+    compile takes."""
+    import torch._dynamo
+
+    torch._dynamo.config.error_on_nested_fx_trace = False

@@ -220,9 +220,10 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
     if cuda_available():
-        if cfg.fused_kernels:
-            from .compiled_rope import use_compiled_rope
+        from .compiled_rope import compiled_calls_beside_tracing, use_compiled_rope
 
+        compiled_calls_beside_tracing()
+        if cfg.fused_kernels:
             use_compiled_rope()
         model = model.cuda(torch.cuda.current_device())
     return model
