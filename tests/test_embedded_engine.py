@@ -240,7 +240,7 @@ def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whol
         while engine._running or engine._pending:
             await asyncio.sleep(0.001)
         finishes = [r.finish for r in requests]
-        engine._gen.decode = lambda *a: (_ for _ in ()).throw(RuntimeError("kernel fault"))
+        engine._gen.decode_start = lambda *a: (_ for _ in ()).throw(RuntimeError("kernel fault"))
         with pytest.raises(EngineError, match="kernel fault"):
             await engine.generate_n(["f0", "f1"], [1, 2], slow)
         await engine.shutdown()

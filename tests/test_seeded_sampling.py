@@ -236,3 +236,30 @@ def _hf(engine: EmbeddedEngine, weights) -> Dict[str, torch.Tensor]:
     for name, tensor in weights.items():
         hf.update(megatron_to_hf(name, tensor.clone(), engine.model_cfg))
     return hf
+
+
+def test_decode_lookahead_samples_what_the_step_by_step_loop_samples(weights):
+    """On a GPU each decode step is launched before the previous one's tokens are read, and a burst
+    that ends keeps the step already launched. Forced on here (a CPU computes at launch): seeded
+    requests, admitted as rows finish in small batches, draw exactly the reference tokens, and
+    every response ends where its stop token or budget says."""
+    reference = _one_batch(weights)
+
+    async def run():
+        engine = _engine(weights, max_batch_size=5, seed=3)
+        engine.decode_lookahead = True
+        starts = []
+        real = engine._gen.decode_start
+        engine._gen.decode_start = lambda params: starts.append(1) or real(params)
+        jobs = [_single(engine, rid, p, SEEDED) for rid, p in SINGLES] + [_group(engine, *GROUP, SEEDED)]
+        out = _merge(await asyncio.gather(*jobs))
+        await engine.shutdown()
+        assert engine.stats.admissions > 0
+        assert len(starts) == engine.stats.decode_steps  # every launched step was recorded
+        return out
+
+    got = asyncio.run(run())
+    _assert_same(got, reference)
+    for tokens, _ in got.values():
+        assert len(tokens) <= SEEDED.max_new_tokens
+        assert all(t not in SEEDED.stop_token_ids for t in tokens[:-1])

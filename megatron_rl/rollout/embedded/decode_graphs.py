@@ -15,7 +15,7 @@ the step here has static shapes:
   cache holds and are ignored (every row's attention and MLP read only that row).
 
 One graph is captured per (rows, slots) bucket on first use, all in one memory pool (graphs never
-run at once). Weight updates copy into the same parameter tensors, so graphs stay valid. On a CPU
+run at once), all writing their logits into one buffer. Weight updates copy into the same parameter tensors, so graphs stay valid. On a CPU
 (``capture=False``) the same static-shape step runs eagerly: tests compare it with the eager step.
 Sampling stays outside the graph (it reads the engine's random generator and the rows' streams).
 """
@@ -62,6 +62,9 @@ class StaticDecoder:
         self.capture = capture
         self.graphs: Dict[Tuple[int, int], Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        # Every graph writes its logits here ([max_rows, V]): one buffer, not one per graph (each
+        # [rows, V] of a 152k vocabulary; dozens of buckets would hold gigabytes).
+        self.logits: Optional[torch.Tensor] = None
 
     def step(self, last: torch.Tensor, offset: int) -> torch.Tensor:
         """The next-token logits [rows, V] of rows whose last tokens are ``last`` ([rows]), written
@@ -100,14 +103,16 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(rows, width)
+                warm = self._forward(rows, width)
         torch.cuda.current_stream().wait_stream(side)
+        if self.logits is None:
+            self.logits = torch.empty(self.max_rows, warm.size(-1), dtype=warm.dtype, device=warm.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the engine captures on its compute thread while a colocated learner may
         # be launching its own work on another.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            out = self._forward(rows, width)
-        return graph, out
+            self.logits[:rows].copy_(self._forward(rows, width))
+        return graph, self.logits[:rows]
 
 
 def static_decode_supported(config) -> bool:

@@ -161,6 +161,10 @@ class EmbeddedEngine(RolloutEngine):
         self._step_lock: Optional[asyncio.Lock] = None
         self._failure: Optional[BaseException] = None
         self._arrivals = 0  # requests queued so far: a new one ends a decode burst
+        # Launch each decode step before the previous one's tokens are read (decode_graphs.py: on a
+        # GPU the host's per-step work then overlaps the step). Off on a CPU, where a launch is the
+        # computation itself and a burst's extra step would only cost time.
+        self.decode_lookahead = self.device.type == "cuda"
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -380,27 +384,45 @@ class EmbeddedEngine(RolloutEngine):
     def _decode_burst(self, params: SamplingParams, live: List[Optional[Tuple[tuple, int]]], compact_at: int,
                       budget: int) -> List[Tuple[List[int], List[float]]]:
         """Compute thread: decode steps until ``budget`` steps ran or the event loop has work, i.e.
-        every row finished, ``compact_at`` rows finished, a request arrived, a pause or an abort.
+        every row finished, ``compact_at`` rows finished, a request arrived, a pause or an abort
+        (with ``decode_lookahead``, one step more when the steps launched ahead allow it).
         ``live``: per batch row, (stop ids, remaining budget) or None once finished; the rows'
         finishes are tracked here as ``_record`` will find them."""
         arrivals = self._arrivals
         finished = sum(state is None for state in live)
         steps = []
+        pending = self._gen.decode_start(params)
         while True:
-            tokens, logprobs = self._gen.decode(params)
+            # Look ahead: the next step is launched before this one's tokens are read, so the GPU
+            # works while the host checks stops. Should the burst end here, the step already
+            # launched is kept as the burst's last (rows that finished ignore its tokens).
+            ahead = self._gen.decode_start(params) if self.decode_lookahead and len(steps) + 1 < budget else None
+            tokens, logprobs = pending.result()
             steps.append((tokens, logprobs))
-            for row, state in enumerate(live):
-                if state is None:
-                    continue
-                stops, remaining = state
-                if tokens[row] in stops or remaining <= 1:
-                    live[row] = None
-                    finished += 1
-                else:
-                    live[row] = (stops, remaining - 1)
+            finished += self._track_finishes(live, tokens)
             if (len(steps) >= budget or finished >= min(compact_at, len(live)) or self._paused or self._aborted
                     or self._arrivals != arrivals):
+                if ahead is not None:
+                    steps.append(ahead.result())
+                    self._track_finishes(live, steps[-1][0])
                 return steps
+            pending = ahead or self._gen.decode_start(params)
+
+    @staticmethod
+    def _track_finishes(live: List[Optional[Tuple[tuple, int]]], tokens: List[int]) -> int:
+        """Update each live row's (stop ids, remaining budget) for one step's tokens; the number of
+        rows that finished with it."""
+        finished = 0
+        for row, state in enumerate(live):
+            if state is None:
+                continue
+            stops, remaining = state
+            if tokens[row] in stops or remaining <= 1:
+                live[row] = None
+                finished += 1
+            else:
+                live[row] = (stops, remaining - 1)
+        return finished
 
     async def _rebuild(self, running: List[_Request], joining: List[_Request]) -> None:
         rows = running + joining

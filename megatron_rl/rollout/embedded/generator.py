@@ -243,9 +243,15 @@ class KVCachedGenerator:
         self._move_rows(first_row, index + first_row)
         return logits[index]
 
-    @torch.no_grad()
     def decode(self, params: SamplingParams) -> Sampled:
         """One decode step for every row of the batch (the caller ignores rows it has finished)."""
+        return self.decode_start(params).result()
+
+    @torch.no_grad()
+    def decode_start(self, params: SamplingParams) -> "PendingStep":
+        """Launch one decode step; its tokens come from the returned step's ``result()``. On a GPU
+        this returns before the step has run, so the next step can be launched before this one's
+        tokens are read (the host's bookkeeping then overlaps the device's work)."""
         self._slide_window()
         position = self.context.sequence_len_offset
         if position >= self.cache_len:
@@ -256,7 +262,7 @@ class KVCachedGenerator:
             mask = self._key_padding[: self.rows, None, None, : position + 1]
             logits = self._logits(self._last.unsqueeze(1), position, mask)
         self.context.sequence_len_offset += 1
-        return self._sample(logits, params)
+        return PendingStep(*self._sample_on_device(logits, params))
 
     def _slide_window(self) -> None:
         """Move every row's entries left by the slots that no row uses any more.
@@ -292,19 +298,37 @@ class KVCachedGenerator:
         return None if rotary is None else -rotary(1, offset=shift)
 
     def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
-        """Every row's next token, each keyed row from its stream (which then moves on a position)."""
+        return PendingStep(*self._sample_on_device(logits, params)).result()
+
+    def _sample_on_device(self, logits: torch.Tensor, params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every row's next token and its logprob, each keyed row from its stream (which then
+        moves on a position)."""
         new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator,
                                       self._streams)
         self._last = new
         if self._streams is not None:
             self._streams = self._streams.advanced()
-        return to_host(new, logprobs)
+        return new, logprobs
+
+
+class PendingStep:
+    """A step's sampled tokens and logprobs, copied to the host without waiting; ``result()``
+    waits (once, for both) and returns them as lists."""
+
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+        self._ready = None
+        if tokens.is_cuda:  # into pinned host memory, behind the step's kernels
+            tokens, logprobs = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        self._tokens, self._logprobs = tokens, logprobs
+
+    def result(self) -> Sampled:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._tokens.tolist(), self._logprobs.tolist()
 
 
 def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> Sampled:
     """Both as Python lists after one wait for the device (two ``.tolist()`` calls wait twice)."""
-    if tokens.is_cuda:
-        stream = torch.cuda.current_stream(tokens.device)
-        tokens, logprobs = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
-        stream.synchronize()
-    return tokens.tolist(), logprobs.tolist()
+    return PendingStep(tokens, logprobs).result()
