@@ -14,7 +14,6 @@ FLOP per step = 6 · N · T + 6 · L · d_attn · Σ_rows s²: three times the f
 2 · N · T of the matmul weights N (every layer's linear weights and the LM head, V · d; the
 embedding lookup is no matmul) plus causal attention: QKᵀ and PV, 2 · s² · d_attn each per layer
 forward, half of it masked, times three for forward + backward.
-``--compile-rotary``: megatron-core's unfused RoPE function compiled by torch.compile (an A/B lead).
 ``--profile``: one more step under torch.profiler, kernel time by kind (GEMM, attention, optimizer,
 element-wise/other).
 """
@@ -91,12 +90,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="gsm8k_qwen2_gpu")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
-    parser.add_argument("--compile-rotary", action="store_true")
     args, overrides = parser.parse_known_args()
-    if args.compile_rotary:
-        from megatron.core.models.common.embeddings import rope_utils
-
-        rope_utils._apply_rotary_pos_emb_bshd = torch.compile(rope_utils._apply_rotary_pos_emb_bshd, dynamic=True)
 
     from megatron_rl.config import load_config
     from megatron_rl.learner.learner import Learner
@@ -154,8 +148,7 @@ def main() -> None:
         rows_out.append(line)
         print(line, flush=True)
     print(f"\nlearner train_step, {args.recipe} shape, bf16, one GPU ({torch.cuda.get_device_name()}); "
-          f"FLOP = 6·N·T + causal attention (see docstring); {' '.join(overrides)}"
-          f"{' compiled rotary' if args.compile_rotary else ''}")
+          f"FLOP = 6·N·T + causal attention (see docstring); {' '.join(overrides)}")
     print(f"{'vocab':>7} {'rows x seq':>10} {'budget':>7} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'peak GiB':>8}")
     for line in rows_out:
         print(line)
