@@ -166,9 +166,8 @@ class CachedKVAttention(MegatronModule):
                 return self._fused_prefill(query, key, value, attention_mask)
             if self.decode_kernel == "sdpa":
                 return self._fused_decode(query, key, value, attention_mask)
-        if attention_mask is None:  # plain causal: the queries are the last sq of the slots
-            slots = key.size(2)
-            attention_mask = torch.ones(sq, slots, dtype=torch.bool, device=query.device).triu(slots - sq + 1)[None, None]
+        if attention_mask is None:
+            attention_mask = trailing_causal_mask(sq, key.size(2), query.device)
         # A group's query heads are consecutive (head i reads group i // (heads / groups)): one
         # batched matmul per group against its keys, no copy of the keys per head.
         q = query.permute(1, 2, 0, 3).reshape(b, groups, heads // groups * sq, dim)
@@ -200,7 +199,7 @@ class CachedKVAttention(MegatronModule):
                                                  scale=self.softmax_scale, enable_gqa=heads != groups)
             return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
         if attention_mask is None:
-            attention_mask = torch.ones(sq, slots, dtype=torch.bool, device=query.device).triu(slots - sq + 1)[None, None]
+            attention_mask = trailing_causal_mask(sq, slots, query.device)
         allowed = ~attention_mask.expand(b, 1, sq, slots)
         # Queries end at the last slot. A left-padding query has no key to see, and some of torch's
         # fused kernels give such a row NaN: let every query see its own slot (what a padding query computes
@@ -213,6 +212,11 @@ class CachedKVAttention(MegatronModule):
         out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), key, value, attn_mask=allowed,
                                              scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+def trailing_causal_mask(queries: int, slots: int, device: torch.device) -> torch.Tensor:
+    """[1, 1, queries, slots], True where masked: the queries are the last ``queries`` slots."""
+    return torch.ones(queries, slots, dtype=torch.bool, device=device).triu(slots - queries + 1)[None, None]
 
 
 def supports_kv_attention(config) -> bool:

@@ -15,8 +15,9 @@ the step here has static shapes:
   cache holds and are ignored (every row's attention and MLP read only that row).
 
 One graph is captured per (rows, slots) bucket on first use, all in one memory pool (graphs never
-run at once), all writing their logits into one buffer. Weight updates copy into the same parameter tensors, so graphs stay valid. On a CPU
-(``capture=False``) the same static-shape step runs eagerly: tests compare it with the eager step.
+run at once), all writing their logits into one buffer. Weight updates copy into the same
+parameter tensors, so graphs stay valid. On a CPU (``capture=False``) the same static-shape step
+runs eagerly: tests compare it with the eager step.
 Sampling stays outside the graph (it reads the engine's random generator and the rows' streams).
 """
 
@@ -90,7 +91,8 @@ class StaticDecoder:
         mask = (self.key_padding[:rows, None, None, :width] & (slots != self.slot)) | (slots > self.slot)
         context.static_slot, context.static_width = self.slot, width
         try:
-            logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context, runtime_gather_output=True)
+            logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context,
+                                runtime_gather_output=True)
         finally:
             context.static_slot = None
         return logits[:, -1, :]

@@ -396,7 +396,10 @@ class EmbeddedEngine(RolloutEngine):
             # Look ahead: the next step is launched before this one's tokens are read, so the GPU
             # works while the host checks stops. Should the burst end here, the step already
             # launched is kept as the burst's last (rows that finished ignore its tokens).
-            ahead = self._gen.decode_start(params) if self.decode_lookahead and len(steps) + 1 < budget else None
+            room = self._gen.offset < self._gen.cache_len  # a slot for one more step
+            ahead = None
+            if self.decode_lookahead and room and len(steps) + 1 < budget:
+                ahead = self._gen.decode_start(params)
             tokens, logprobs = pending.result()
             steps.append((tokens, logprobs))
             finished += self._track_finishes(live, tokens)

@@ -153,7 +153,9 @@ class KVCachedGenerator:
         # Sequences of one length need no padding mask: None is the plain causal mask, which the
         # GPU's flash kernel computes without reading a mask (kv_attention.py).
         uniform = all(len(seq) == width for seq in unique)
-        mask = None if uniform else causal_mask(width, self.device) | self._key_padding[: len(unique), None, None, :width]
+        mask = None
+        if not uniform:
+            mask = causal_mask(width, self.device) | self._key_padding[: len(unique), None, None, :width]
         logits = self._logits(tokens, 0, mask)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
