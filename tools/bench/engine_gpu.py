@@ -2,7 +2,7 @@
 
     python tools/bench/engine_gpu.py [--batches 64,256] [--prompt-len 512] [--new-tokens 256]
         [--vocab 151936] [--skip-hf] [--gap-rows 16] [--graphs on,off] [--profile]
-        [--decode-attention sdpa,efficient,matmul]
+        [--decode-attention sdpa,efficient,matmul] [--warmup-tokens 4] [--width-step 256]
 
 One random-weight Hugging Face Qwen2 model of ``gsm8k_qwen2_gpu``'s shape (Qwen2-1.5B: 28 layers,
 hidden 1536, GQA 12/2) in bf16 is built with transformers; its weights are pushed into the
@@ -13,7 +13,9 @@ so every request generates exactly --new-tokens tokens. Per batch size: the engi
 replayed from CUDA graphs, ``--graphs on``, or launched eagerly, ``off``), its prefill seconds and
 decode milliseconds per step, ``generate``'s tokens/s (one call over the whole batch, after a
 short warm-up call), and the ratio. ``--profile``: the decode step's wall and kernel time and its
-heaviest kernels, per batch. ``--decode-attention``: the decode step's attention kernel(s).
+heaviest kernels, per batch. ``--decode-attention``: the decode step's attention kernel(s);
+``--width-step``: the graphs' attention-width bucket; ``--warmup-tokens``: the warm-up's length
+(as long as the run: every graph the run needs is captured before it is timed).
 Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
 logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token.
 """
@@ -34,7 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
-def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tuple[float, list]:
+def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights,
+               warmup_tokens: int = 4) -> Tuple[float, list]:
     from megatron_rl.rollout.embedded.engine import EngineStats
     from megatron_rl.types import SamplingParams
 
@@ -44,7 +47,7 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights) -> Tu
         await engine.update_weights(weights, version=1)
         await engine.resume()
         # Warm-up at the measured batch: kernels compiled, the decode graph of this batch captured.
-        warm = SamplingParams(max_new_tokens=4, stream=False)
+        warm = SamplingParams(max_new_tokens=warmup_tokens, stream=False)
         await asyncio.gather(*(engine.generate_n([f"warm{i}"], p, warm) for i, p in enumerate(prompts)))
         engine.stats = EngineStats()  # the table's prefill and step times are the measured run's
 
@@ -127,9 +130,17 @@ def main() -> None:
     parser.add_argument("--gap-rows", type=int, default=16)
     parser.add_argument("--decode-attention", default="sdpa",
                         help="sdpa | efficient | matmul (comma-separated to compare): the decode step's attention")
+    parser.add_argument("--warmup-tokens", type=int, default=4,
+                        help="tokens per request of the warm-up batch (--new-tokens: every width's graph captured)")
+    parser.add_argument("--width-step", type=int, default=0,
+                        help="attention width bucket of the decode graphs (0: decode_graphs.WIDTH_STEP)")
     parser.add_argument("--profile", action="store_true", help="profile the decode step at each batch")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
     args = parser.parse_args()
+    if args.width_step:
+        from megatron_rl.rollout.embedded import decode_graphs
+
+        decode_graphs.WIDTH_STEP = args.width_step
 
     import transformers
 
@@ -156,7 +167,7 @@ def main() -> None:
         for graphs, attention in variants:
             use_decode_attention(attention)
             engine = EmbeddedEngine(cfg.model, args.vocab, max_batch_size=batch, seed=0, cuda_graphs=graphs == "on")
-            took, out = engine_run(engine, prompts, args.new_tokens, weights)
+            took, out = engine_run(engine, prompts, args.new_tokens, weights, args.warmup_tokens)
             tokens = sum(len(t) for t, _ in out)
             assert tokens == batch * args.new_tokens, tokens
             st = engine.stats
