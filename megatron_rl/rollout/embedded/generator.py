@@ -95,8 +95,9 @@ class KVCachedGenerator:
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
         # with the batch's age until a rebuild).
         self._can_slide = not getattr(config, "multi_latent_attention", False)
+        self._static: Optional[StaticDecoder]
         if static_decode and static_decode_supported(config):
-            self._static: Optional[StaticDecoder] = StaticDecoder(model, self.context, self._key_padding, capture=False)
+            self._static = StaticDecoder(model, self.context, self._key_padding, capture=False)
         else:
             self._static = make_static_decoder(model, self.context, self._key_padding, cuda_graphs)
 
