@@ -202,8 +202,8 @@ class CachedKVAttention(MegatronModule):
             attention_mask = trailing_causal_mask(sq, slots, query.device)
         allowed = ~attention_mask.expand(b, 1, sq, slots)
         # Queries end at the last slot. A left-padding query has no key to see, and some of torch's
-        # fused kernels give such a row NaN: let every query see its own slot (what a padding query computes
-        # is masked out of every real row).
+        # fused kernels give such a row NaN: let every query see its own slot (what a padding
+        # query computes is masked out of every real row).
         diagonal = torch.arange(sq, device=query.device)
         allowed[:, :, diagonal, diagonal + (slots - sq)] = True
         if heads != groups:  # the memory-efficient kernel takes no grouped keys: one copy per head

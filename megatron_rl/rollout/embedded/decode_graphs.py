@@ -126,11 +126,15 @@ def static_decode_supported(config) -> bool:
     return config is not None and not config.num_moe_experts and supports_kv_attention(config)
 
 
-def make_static_decoder(model: torch.nn.Module, context, key_padding: torch.Tensor,
-                        enabled: bool) -> Optional[StaticDecoder]:
-    """A graph-replaying decoder for a model on a GPU (None where the step cannot be static or
-    ``enabled`` is false: the eager step then runs)."""
-    config = getattr(model, "config", None)
-    if not enabled or key_padding.device.type != "cuda" or not static_decode_supported(config):
+def make_static_decoder(model: torch.nn.Module, context, key_padding: torch.Tensor, cuda_graphs: bool,
+                        eager: bool = False) -> Optional[StaticDecoder]:
+    """The static-shape decoder for this model, or None where its step cannot be static (the
+    eager step then runs): replaying CUDA graphs on a GPU when ``cuda_graphs``; run eagerly,
+    anywhere, when ``eager`` (tests compare it with the eager step)."""
+    if not static_decode_supported(getattr(model, "config", None)):
         return None
-    return StaticDecoder(model, context, key_padding, capture=True)
+    if eager:
+        return StaticDecoder(model, context, key_padding, capture=False)
+    if cuda_graphs and key_padding.device.type == "cuda":
+        return StaticDecoder(model, context, key_padding, capture=True)
+    return None

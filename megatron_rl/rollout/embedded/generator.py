@@ -64,12 +64,12 @@ def distinct(sequences: Sequence[List[int]]) -> Tuple[List[List[int]], List[int]
 class KVCachedGenerator:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_seq_len: int,
                  device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None,
-                 cuda_graphs: bool = True, static_decode: Optional[bool] = None):
+                 cuda_graphs: bool = True, static_decode: bool = False):
         """``cuda_graphs``: on a GPU, replay decode steps from CUDA graphs (decode_graphs.py) where
         the model allows. ``static_decode=True`` runs that static-shape step without graphs (on a
         CPU too; tests compare it with the eager step)."""
         from ...models.kv_attention import EngineKVContext
-        from .decode_graphs import StaticDecoder, make_static_decoder, static_decode_supported
+        from .decode_graphs import make_static_decoder
 
         self.model = model
         self.device = device
@@ -95,11 +95,7 @@ class KVCachedGenerator:
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
         # with the batch's age until a rebuild).
         self._can_slide = not getattr(config, "multi_latent_attention", False)
-        self._static: Optional[StaticDecoder]
-        if static_decode and static_decode_supported(config):
-            self._static = StaticDecoder(model, self.context, self._key_padding, capture=False)
-        else:
-            self._static = make_static_decoder(model, self.context, self._key_padding, cuda_graphs)
+        self._static = make_static_decoder(model, self.context, self._key_padding, cuda_graphs, eager=static_decode)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
@@ -161,7 +157,7 @@ class KVCachedGenerator:
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
         self._streams = RowStreams.build(streams, len(sequences), self.device)
-        return self._sample(self._copy_duplicates(0, logits, source), params)
+        return to_host(*self._sample(self._copy_duplicates(0, logits, source), params))
 
     @torch.no_grad()
     def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams,
@@ -265,7 +261,7 @@ class KVCachedGenerator:
             mask = self._key_padding[: self.rows, None, None, : position + 1]
             logits = self._logits(self._last.unsqueeze(1), position, mask)
         self.context.sequence_len_offset += 1
-        return PendingStep(*self._sample_on_device(logits, params))
+        return PendingStep(*self._sample(logits, params))
 
     def _slide_window(self) -> None:
         """Move every row's entries left by the slots that no row uses any more.
@@ -300,10 +296,7 @@ class KVCachedGenerator:
         rotary = getattr(self.model, "rotary_pos_emb", None)
         return None if rotary is None else -rotary(1, offset=shift)
 
-    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Sampled:
-        return PendingStep(*self._sample_on_device(logits, params)).result()
-
-    def _sample_on_device(self, logits: torch.Tensor, params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, logits: torch.Tensor, params: SamplingParams) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every row's next token and its logprob, each keyed row from its stream (which then
         moves on a position)."""
         new, logprobs = sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator,
