@@ -172,7 +172,7 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     """An engine rank: an embedded engine served to the driver until it says shutdown (or its
     connection closes). It stops only when the driver stops it: a stop signal is the driver's to
     act on (it checkpoints after the step, which needs the engines)."""
-    from ..rollout.embedded import EmbeddedEngine
+    from ..rollout.embedded import EmbeddedEngine, engine_options
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
     from ..weights.sync import receive_weights
@@ -180,8 +180,7 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).
     engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
-                            recompute_kv_on_update=cfg.rollout.recompute_kv_on_update,
-                            cuda_graphs=cfg.rollout.cuda_graphs)
+                            **engine_options(cfg.rollout))
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address)
     timeline = _RankTimeline()
@@ -253,7 +252,7 @@ class _HostedEngine:
     learner trains at η = 0 -- a no-op on CPUs)."""
 
     def __init__(self, cfg: RootConfig, vocab: int, host: str, authkey: bytes):
-        from ..rollout.embedded import EngineProcess
+        from ..rollout.embedded import EngineProcess, engine_options
         from ..rollout.remote import EngineListener
 
         seed = cfg.trainer.seed + 1 + dist.get_rank()
@@ -267,8 +266,7 @@ class _HostedEngine:
             self.engine_pid = (self.engine.engine_pids() or [None])[0]
         else:
             self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
-                                        recompute_kv_on_update=cfg.rollout.recompute_kv_on_update, device_index=gpu,
-                                        cuda_graphs=cfg.rollout.cuda_graphs)
+                                        device_index=gpu, **engine_options(cfg.rollout))
             self.engine_pid = self.engine.pid
         self.listener = EngineListener(host, authkey)
         self.loop = asyncio.new_event_loop()

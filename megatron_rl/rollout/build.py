@@ -27,17 +27,15 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
     """The learner's Megatron model behind a KV cache: in this process, or in a child process of
     its own with ``rollout.separate_process`` (on a CPU its decode loop and the learner's step
     then do not take turns on one interpreter lock)."""
-    from .embedded import EmbeddedEngine, EngineProcess
+    from .embedded import EmbeddedEngine, EngineProcess, engine_options
 
     r = cfg.rollout
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                             recompute_kv_on_update=r.recompute_kv_on_update, device_index=device_index,
-                             cuda_graphs=r.cuda_graphs)
+                             device_index=device_index, **engine_options(r))
     # Without overlap the engine computes on the learner's thread: one thread team for the cores.
     return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
-                          executor=None if overlap else learner_executor,
-                          recompute_kv_on_update=r.recompute_kv_on_update, cuda_graphs=r.cuda_graphs)
+                          executor=None if overlap else learner_executor, **engine_options(r))
 
 
 @ENGINES.register("vllm")

@@ -1,9 +1,9 @@
 """The embedded engine: the learner's Megatron GPTModel, KV-cached, behind RolloutEngine;
 in this process or in a child process of its own."""
 
-from .engine import EmbeddedEngine
+from .engine import EmbeddedEngine, engine_options
 
-__all__ = ["EmbeddedEngine", "EngineProcess"]
+__all__ = ["EmbeddedEngine", "EngineProcess", "engine_options"]
 
 
 def __getattr__(name: str):

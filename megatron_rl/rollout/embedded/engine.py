@@ -29,7 +29,7 @@ from typing import AsyncIterator, Awaitable, Deque, Dict, Iterable, List, Option
 
 import torch
 
-from ...config.schema import ModelConfig
+from ...config.schema import ModelConfig, RolloutConfig
 from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
@@ -131,6 +131,12 @@ def bind_thread_to_device(device: torch.device) -> None:
     failed). No-op on the CPU."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def engine_options(rollout: RolloutConfig) -> Dict[str, bool]:
+    """The ``rollout`` settings an embedded engine takes as keyword arguments, wherever it is built
+    (in the trainer's process, in a process of its own, on an engine rank)."""
+    return dict(recompute_kv_on_update=rollout.recompute_kv_on_update, cuda_graphs=rollout.cuda_graphs)
 
 
 class EmbeddedEngine(RolloutEngine):
