@@ -106,7 +106,8 @@ def test_killed_vllm_engine_ends_the_world_with_one_line_and_leaves_no_process(t
         kill_session(proc)
     assert rc != 0
     errors = [line for line in out.splitlines() if "error:" in line]
-    assert any("the rollout engine is gone" in line and "vLLM engine core is dead" in line for line in errors), out[-3000:]
+    assert any("the rollout engine is gone" in line and "vLLM engine core is dead" in line for line in errors), (
+        "\n".join(errors) + "\n" + out[-3000:])
     assert any("balanced" in line for line in out.splitlines() if "prompt ledger" in line), out[-3000:]
     assert not alive_after(everything, 15), "processes of the world outlived it"
 

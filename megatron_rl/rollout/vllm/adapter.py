@@ -280,9 +280,13 @@ class VLLMAdapter:
         """Why the engine cannot serve any more (None while it can)."""
         if self.llm is None:
             return "vLLM engine was shut down"
+        codes = [getattr(p, "exitcode", None) for p in self._processes()]
         if self.llm.errored:
-            codes = [getattr(p, "exitcode", None) for p in self._processes()]
             return f"vLLM engine core is dead ({type(self.llm.dead_error).__name__}; engine process exit codes {codes})"
+        if any(code is not None for code in codes):
+            # An engine-core process has exited before vLLM's monitor noticed: a call failing in
+            # that moment must still be reported as the engine's death, not as a failed call.
+            return f"vLLM engine core is dead (engine process exit codes {codes})"
         return None
 
     @staticmethod
