@@ -38,3 +38,23 @@ def test_sampling_frequencies_follow_tempered_distribution():
     logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(20000, 1)
     tokens, _ = sample_tokens(logits, temperature=1.0, generator=gen)
     assert abs(tokens.float().mean().item() - 0.75) < 0.02
+
+
+def test_unfiltered_draw_picks_what_multinomial_picks_with_the_tempered_logprob():
+    """No top-k/top-p and no streams: the fused draw (compiled on a GPU) takes the generator's
+    exponential noise in multinomial's order, so it picks multinomial's token for the same seed;
+    the logprob is log softmax(logits / T) in float64."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(64, 1000) * 3).to(dtype)
+        for temperature in (1.0, 0.7):
+            tempered = logits.float() / temperature
+            expected = torch.multinomial(torch.softmax(tempered, -1), 1,
+                                         generator=torch.Generator().manual_seed(3)).squeeze(-1)
+            tokens, logprobs = sample_tokens(logits, temperature, generator=torch.Generator().manual_seed(3))
+            assert torch.equal(tokens, expected)
+            reference = torch.log_softmax(logits.double() / temperature, -1).gather(-1, tokens[:, None]).squeeze(-1)
+            torch.testing.assert_close(logprobs.double(), reference, atol=1e-5, rtol=0)
+    # A different seed draws differently (the noise is used at all).
+    other, _ = sample_tokens(logits, temperature, generator=torch.Generator().manual_seed(4))
+    assert (other != tokens).sum() > 8

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 # (request key, position): the stream of one row's next draw.
 Stream = Tuple[int, int]
@@ -60,6 +63,9 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
                   streams: Optional["RowStreams"] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of logits [b, V]; return (token ids [b], logprobs [b]). Rows with a
     stream (``streams``) draw from it, the others from ``generator``."""
+    if streams is None and not (top_k and top_k < logits.shape[-1]) and top_p >= 1.0:
+        # The common case (no filter, no per-request streams): one pass of kernels on the raw logits.
+        return draw_tempered(logits, exponential_noise(logits, generator), temperature)
     tempered = logits.float() / temperature
     logprobs_all = torch.log_softmax(tempered, dim=-1)
     filtered = filter_logits(tempered, top_k, top_p)
@@ -77,6 +83,42 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
 
 def _multinomial(filtered: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
     return torch.multinomial(torch.softmax(filtered, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def exponential_noise(logits: torch.Tensor, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """One Exp(1) draw per logit (fp32), from ``generator``: the noise ``torch.multinomial`` draws
+    for one sample, in the same order, so ``draw_tempered`` picks the token it would pick."""
+    return torch.empty(logits.shape, dtype=torch.float32, device=logits.device).exponential_(generator=generator)
+
+
+def _draw_tempered(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Token argmax(softmax(logits / T) / noise) per row (the exponential race ``torch.multinomial``
+    runs for one sample: an exact draw from the softmax) and its logprob under softmax(logits / T)."""
+    tempered = logits.float() / temperature
+    lse = torch.logsumexp(tempered, dim=-1, keepdim=True)
+    tokens = ((tempered - lse).exp() / noise).argmax(dim=-1, keepdim=True)
+    return tokens.squeeze(-1), (tempered.gather(-1, tokens) - lse).squeeze(-1)
+
+
+_compiled_draw = None
+
+
+def draw_tempered(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``_draw_tempered``; on a GPU compiled into a couple of kernels. Unfused, a decode step's
+    sampling at batch 256 and a 152k vocabulary ran about 15 kernels over [256, V] fp32 copies
+    (cast, divide, log-softmax, softmax, the noise, its division, argmax, multinomial's checks):
+    0.9 ms of a 6 ms step on an H200. Should compiling fail, the eager function runs, with a warning."""
+    global _compiled_draw
+    if not logits.is_cuda:
+        return _draw_tempered(logits, noise, temperature)
+    if _compiled_draw is None:
+        _compiled_draw = torch.compile(_draw_tempered, dynamic=True)
+    try:
+        return _compiled_draw(logits, noise, temperature)
+    except Exception as exc:  # noqa: BLE001 - an inductor/triton failure must not stop generation
+        logger.warning("compiled sampling failed (%s); sampling eagerly", exc)
+        _compiled_draw = _draw_tempered
+        return _draw_tempered(logits, noise, temperature)
 
 
 def request_key(seed: int, request_id: str) -> int:
