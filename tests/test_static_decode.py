@@ -115,3 +115,30 @@ def _uniform_prefill(model):
     out = [gen.prefill([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12, 13, 14, 15]], params)]
     out += [gen.decode(params) for _ in range(8)]
     return [t for step, _ in out for t in step], torch.tensor([lp for _, step in out for lp in step])
+
+
+def test_a_failed_graph_capture_falls_back_to_the_eager_step(megatron_world, monkeypatch, caplog):
+    """Should capturing a bucket's step fail (an op that cannot be captured), the generator warns
+    and decodes eagerly from then on: the same tokens as a generator that never had graphs."""
+    from megatron_rl.rollout.embedded import decode_graphs
+
+    model = _model("qwen2")
+    tokens, logprobs = _script(model, static=False)
+
+    def failing_record(self, rows, width):
+        self._forward(rows, width)  # the warm-up ran: the step's cache slot is written
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    init = decode_graphs.StaticDecoder.__init__
+
+    def capturing_init(self, *args, **kwargs):  # a CPU cannot capture: pretend, up to _record
+        init(self, *args, **kwargs)
+        self.capture = True
+
+    monkeypatch.setattr(decode_graphs.StaticDecoder, "__init__", capturing_init)
+    monkeypatch.setattr(decode_graphs.StaticDecoder, "_record", failing_record)
+    with caplog.at_level("WARNING"):
+        fallback_tokens, fallback_logprobs = _script(model, static=True)
+    assert "decoding without CUDA graphs" in caplog.text
+    assert fallback_tokens == tokens
+    torch.testing.assert_close(fallback_logprobs, logprobs, atol=1e-5, rtol=0)

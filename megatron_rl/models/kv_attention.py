@@ -27,6 +27,8 @@ forward is unchanged. Multi-latent attention keeps Megatron's path.
 
 from __future__ import annotations
 
+import logging
+from contextlib import contextmanager
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -36,6 +38,10 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from .decode_attention import decode_attention, supports, triton_available
+
+logger = logging.getLogger(__name__)
 
 Cache = Tuple[torch.Tensor, torch.Tensor]
 
@@ -54,6 +60,25 @@ class EngineKVContext(StaticInferenceContext):
         # the Python offset, and every step reads ``static_width`` slots (the rest masked).
         self.static_slot: Optional[torch.Tensor] = None
         self.static_width = 0
+        # The RoPE table's rows at ``static_slot``, looked up by the step's first layer: (table, rows).
+        self._slot_rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    @contextmanager
+    def static_step(self, slot: torch.Tensor, width: int):
+        """Within: a static-shape decode step writing slot ``slot`` ([1] int64 on the device) and
+        reading ``width`` slots."""
+        self.static_slot, self.static_width = slot, width
+        try:
+            yield
+        finally:
+            self.static_slot, self._slot_rotary = None, None
+
+    def slot_rotary(self, table: torch.Tensor) -> torch.Tensor:
+        """``table``'s rows ([slots, 1, 1, dim] RoPE frequencies) at the static slot: one lookup per
+        step, which every layer shares (they all get the same table)."""
+        if self._slot_rotary is None or self._slot_rotary[0] is not table:
+            self._slot_rotary = (table, table.index_select(0, self.static_slot))
+        return self._slot_rotary[1]
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
         """Store ``key`` (rotated) and ``value`` ([new slots, rows, groups, dim]) at the current
@@ -128,7 +153,8 @@ class EngineSelfAttention(SelfAttention):
             q_pos_emb, k_pos_emb = rotary_pos_emb
             slot = inference_context.static_slot
             if slot is not None:  # one new token per row, at a slot held on the device
-                q_pos_emb, k_pos_emb = q_pos_emb.index_select(0, slot), k_pos_emb.index_select(0, slot)
+                q_pos_emb = inference_context.slot_rotary(q_pos_emb)
+                k_pos_emb = inference_context.slot_rotary(k_pos_emb)
             else:
                 start = inference_context.sequence_len_offset
                 window = slice(start, start + key.size(0))
@@ -146,9 +172,10 @@ class CachedKVAttention(MegatronModule):
 
     # On a GPU attention runs torch's fused kernels; tests set this to run them on a CPU as well.
     fused_on_cpu = False
-    # A decode step's attention on a GPU: sdpa (torch's fused kernel) | matmul (two batched
-    # matmuls, as on a CPU). tools/bench/engine_gpu.py --decode-attention compares them.
-    decode_kernel = "sdpa"
+    # A decode step's attention on a GPU: triton (decode_attention.py; torch's fused kernel where
+    # triton does not import) | sdpa (torch's fused kernel) | matmul (two batched matmuls, as on a
+    # CPU). tools/bench/engine_gpu.py --decode-attention compares them.
+    decode_kernel = "triton"
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type, attention_dropout=None,
                  softmax_scale: Optional[float] = None, cp_comm_type=None, pg_collection=None):
@@ -164,7 +191,7 @@ class CachedKVAttention(MegatronModule):
         if query.is_cuda or self.fused_on_cpu:
             if sq > 1:
                 return self._fused_prefill(query, key, value, attention_mask)
-            if self.decode_kernel == "sdpa":
+            if self.decode_kernel != "matmul":
                 return self._fused_decode(query, key, value, attention_mask)
         if attention_mask is None:
             attention_mask = trailing_causal_mask(sq, key.size(2), query.device)
@@ -186,7 +213,14 @@ class CachedKVAttention(MegatronModule):
         _, b, heads, dim = query.shape
         groups = key.size(1)
         q = query.reshape(b, groups, heads // groups, dim)
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=~attention_mask, scale=self.softmax_scale)
+        bias = decode_bias(attention_mask, q.dtype)
+        if self.decode_kernel == "triton" and q.is_cuda and triton_available() and supports(dim, heads // groups):
+            try:
+                return decode_attention(q, key, value, bias, self.softmax_scale).reshape(1, b, heads * dim)
+            except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation
+                logger.warning("triton decode attention failed (%s); using torch's fused kernel", exc)
+                CachedKVAttention.decode_kernel = "sdpa"
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=self.softmax_scale)
         return out.reshape(1, b, heads * dim)
 
     def _fused_prefill(self, query, key, value, attention_mask):
@@ -212,6 +246,23 @@ class CachedKVAttention(MegatronModule):
         out = F.scaled_dot_product_attention(query.permute(1, 2, 0, 3), key, value, attn_mask=allowed,
                                              scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(sq, b, heads * dim)
+
+
+# The last decode step's (mask, additive bias): see decode_bias.
+_decode_bias: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+
+
+def decode_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive form of a decode step's mask (True: masked -> -inf, else 0), which the fused
+    kernel reads as it is (a boolean mask it converts on every call). Every layer of a step gets
+    the same mask tensor: the bias is made once per step, by the first layer, and reused while
+    the mask is that same object."""
+    global _decode_bias
+    cached_mask, bias = _decode_bias
+    if cached_mask is not mask or bias.dtype != dtype:
+        bias = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(mask, float("-inf"))
+        _decode_bias = (mask, bias)
+    return bias
 
 
 def trailing_causal_mask(queries: int, slots: int, device: torch.device) -> torch.Tensor:

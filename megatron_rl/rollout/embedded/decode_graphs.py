@@ -47,6 +47,10 @@ def width_bucket(slots: int, cache_len: int) -> int:
     return min(-(-slots // WIDTH_STEP) * WIDTH_STEP, cache_len)
 
 
+class CaptureFailed(RuntimeError):
+    """Capturing a bucket's decode step into a CUDA graph failed; the eager step can run instead."""
+
+
 class StaticDecoder:
     """Decode steps of static shape over ``context``'s cache, CUDA graphs when ``capture``."""
 
@@ -79,7 +83,10 @@ class StaticDecoder:
             return self._forward(*bucket)[:rows]
         graph = self.graphs.get(bucket)
         if graph is None:
-            graph = self.graphs[bucket] = self._record(*bucket)
+            try:
+                graph = self.graphs[bucket] = self._record(*bucket)
+            except Exception as exc:  # noqa: BLE001 - e.g. an op that cannot be captured
+                raise CaptureFailed(f"capturing the decode step of bucket {bucket} failed: {exc}") from exc
         graph[0].replay()
         return graph[1][:rows]
 
@@ -89,12 +96,9 @@ class StaticDecoder:
         # Slots after the new token are masked; the new token's own never is (a row past the live
         # ones may hold any padding, and a row with no slot to see would be NaN in a fused kernel).
         mask = (self.key_padding[:rows, None, None, :width] & (slots != self.slot)) | (slots > self.slot)
-        context.static_slot, context.static_width = self.slot, width
-        try:
+        with context.static_step(self.slot, width):
             logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context,
                                 runtime_gather_output=True)
-        finally:
-            context.static_slot = None
         return logits[:, -1, :]
 
     def _record(self, rows: int, width: int) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor]:

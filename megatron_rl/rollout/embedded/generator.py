@@ -28,6 +28,7 @@ logits only. The streams move with the rows wherever the rows move (compaction, 
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +36,9 @@ import torch
 from ...models.causal_attention import causal_mask
 from ...types import SamplingParams
 from ..sampling import RowStreams, Stream, join_streams, sample_tokens
+from .decode_graphs import CaptureFailed
+
+logger = logging.getLogger(__name__)
 
 Sampled = Tuple[List[int], List[float]]
 
@@ -255,9 +259,15 @@ class KVCachedGenerator:
         position = self.context.sequence_len_offset
         if position >= self.cache_len:
             raise RuntimeError(f"KV cache of {self.cache_len} slots is full")
+        logits = None
         if self._static is not None:
-            logits = self._static.step(self._last, position)
-        else:
+            try:
+                logits = self._static.step(self._last, position)
+            except CaptureFailed as exc:
+                # Its warm-up wrote this step's cache slot; the eager step rewrites the same values.
+                logger.warning("%s; decoding without CUDA graphs from now on", exc)
+                self._static = None
+        if logits is None:
             mask = self._key_padding[: self.rows, None, None, : position + 1]
             logits = self._logits(self._last.unsqueeze(1), position, mask)
         self.context.sequence_len_offset += 1

@@ -1,0 +1,188 @@
+"""A decode step's attention on a GPU as one split-key Triton kernel (flash decoding, grouped queries).
+
+One new token per row attends over the row's cached keys. The work is reading the cache: at
+batch 256 with 768 slots, Qwen2-1.5B's 28 layers read 5.6 GB of keys and values per step. torch's
+fused kernel (cuDNN on an H200) reads them at about 2.7 TB/s of the chip's ~4.3 (measured
+1.9 ms per step), and it reads every slot of the step's static width, the masked ones too.
+
+Here each program takes one (row, key group, slice of the slots): the group's query heads are the
+rows of one small matrix product against each block of keys (no copy of the keys per head), the
+softmax is kept online, and a block whose slots are all masked (left padding, slots after the new
+token within the static width) is skipped without reading its keys or values. A second kernel
+combines the slices' partial results. Slicing the slots gives the GPU enough programs at small
+batches too.
+
+Used when triton imports (it ships with CUDA builds of torch); ``CachedKVAttention.decode_kernel``
+selects it. CI has no GPU: ``split_decode_reference`` computes the same slicing and combination
+with torch ops on any device, and tests compare it with plain attention; the Triton kernels
+themselves are compared with it on a GPU (tests/test_decode_attention.py, skipped without CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import torch
+
+BLOCK_SLOTS = 64  # slots per block of keys (one matrix product per block)
+# Programs to aim for: a few per streaming multiprocessor, so that loads overlap (132 on an H200).
+TARGET_PROGRAMS = 4 * 132
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - absent or broken: torch's kernels run instead
+        return False
+    return torch.cuda.is_available()
+
+
+def supports(head_dim: int, per_group: int) -> bool:
+    """Shapes the kernels take: a head dimension that is a power of two from 16 to 256 (Triton's
+    block shapes), at most 128 query heads per key group."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and per_group <= 128
+
+
+def split_plan(rows: int, groups: int, slots: int) -> Tuple[int, int]:
+    """(slices, slots per slice): enough programs for the GPU, each slice a whole number of blocks."""
+    blocks = -(-slots // BLOCK_SLOTS)
+    slices = max(1, min(blocks, -(-TARGET_PROGRAMS // (rows * groups))))
+    per_slice = -(-blocks // slices) * BLOCK_SLOTS
+    return -(-slots // per_slice), per_slice
+
+
+def split_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """What the Triton kernels compute, with torch ops: query [b, g, r, d], key and value
+    [b, g, slots, d], bias [b, 1, 1, slots] (0 seen, -inf masked) -> [b, g, r, d]. Each slice of
+    slots gives (max score, sum of exp, weighted values); the slices are combined exactly."""
+    b, g, r, d = query.shape
+    slots = key.size(2)
+    _, per_slice = split_plan(b, g, slots)
+    maxes, sums, accs = [], [], []
+    for start in range(0, slots, per_slice):
+        part = slice(start, start + per_slice)
+        scores = torch.matmul(query.float(), key[:, :, part].float().transpose(-1, -2)) * scale
+        scores = scores + bias[..., part].float()
+        m = scores.amax(dim=-1, keepdim=True)
+        m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a wholly masked slice adds nothing
+        p = torch.exp(scores - m_safe)
+        maxes.append(m)
+        sums.append(p.sum(dim=-1, keepdim=True))
+        accs.append(torch.matmul(p.to(value.dtype).float(), value[:, :, part].float()))
+    top = torch.stack(maxes).amax(dim=0)
+    weights = [torch.exp(m - top) for m in maxes]  # exp(-inf) = 0
+    numerator = sum(w * a for w, a in zip(weights, accs))
+    denominator = sum(w * s for w, s in zip(weights, sums))
+    return (numerator / denominator).to(query.dtype)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """The Triton kernels (shapes as in ``split_decode_reference``; key and value may be views with
+    any batch and group strides, the last dimension contiguous)."""
+    kernels = _kernels()
+    b, g, r, d = query.shape
+    slots = key.size(2)
+    slices, per_slice = split_plan(b, g, slots)
+    query = query.contiguous()
+    bias = bias.reshape(b, slots)
+    if bias.stride(1) != 1:
+        bias = bias.contiguous()
+    r_pad = max(16, 1 << (r - 1).bit_length())
+    part_max = torch.empty(b * g, slices, r_pad, device=query.device, dtype=torch.float32)
+    part_sum = torch.empty_like(part_max)
+    part_acc = torch.empty(b * g, slices, r_pad, d, device=query.device, dtype=torch.float32)
+    kernels.split(
+        (b * g, slices),
+        query, key, value, bias, part_max, part_sum, part_acc,
+        query.stride(0), query.stride(1), query.stride(2),
+        key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2),
+        bias.stride(0), g, slots, per_slice, scale,
+        R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices,
+    )
+    out = torch.empty_like(query)
+    kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc,
+                     sqb, sqg, sqr, skb, skg, sks, svb, svg, svs, sbb,
+                     G, slots, per_slice, scale,
+                     R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                     SLICES: tl.constexpr):
+        bg = tl.program_id(0)
+        part = tl.program_id(1)
+        b = bg // G
+        g = bg % G
+        offs_r = tl.arange(0, R_PAD)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        q = tl.load(Q + b * sqb + g * sqg + offs_r[:, None] * sqr + offs_d[None, :],
+                    mask=offs_r[:, None] < R, other=0.0)
+        m = tl.full([R_PAD], float("-inf"), tl.float32)
+        s_sum = tl.zeros([R_PAD], tl.float32)
+        acc = tl.zeros([R_PAD, D], tl.float32)
+        start = part * per_slice
+        end = tl.minimum(start + per_slice, slots)
+        k_base = K + b.to(tl.int64) * skb + g * skg
+        v_base = V + b.to(tl.int64) * svb + g * svg
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            inside = n < end
+            bias = tl.load(Bias + b * sbb + n, mask=inside, other=float("-inf")).to(tl.float32)
+            if tl.max(bias, axis=0) > float("-inf"):  # a wholly masked block reads nothing
+                k = tl.load(k_base + n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
+                scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
+                m_new = tl.maximum(m, tl.max(scores, axis=1))
+                alpha = tl.exp(m - m_new)  # m = -inf before the first seen block: alpha 0
+                p = tl.exp(scores - m_new[:, None])
+                s_sum = s_sum * alpha + tl.sum(p, axis=1)
+                v = tl.load(v_base + n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+        out = bg * SLICES + part
+        tl.store(PartMax + out * R_PAD + offs_r, m)
+        tl.store(PartSum + out * R_PAD + offs_r, s_sum)
+        tl.store(PartAcc + (out * R_PAD + offs_r[:, None]) * D + offs_d[None, :], acc)
+
+    @triton.jit
+    def combine_kernel(PartMax, PartSum, PartAcc, Out,
+                       R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, SLICES: tl.constexpr):
+        bg = tl.program_id(0)
+        offs_r = tl.arange(0, R_PAD)
+        offs_d = tl.arange(0, D)
+        top = tl.full([R_PAD], float("-inf"), tl.float32)
+        for part in range(SLICES):
+            top = tl.maximum(top, tl.load(PartMax + (bg * SLICES + part) * R_PAD + offs_r))
+        numerator = tl.zeros([R_PAD, D], tl.float32)
+        denominator = tl.zeros([R_PAD], tl.float32)
+        for part in range(SLICES):
+            row = (bg * SLICES + part) * R_PAD + offs_r
+            w = tl.exp(tl.load(PartMax + row) - top)  # a slice that saw nothing: exp(-inf) = 0
+            denominator += w * tl.load(PartSum + row)
+            numerator += w[:, None] * tl.load(PartAcc + row[:, None] * D + offs_d[None, :])
+        out = numerator / denominator[:, None]
+        tl.store(Out + (bg * R + offs_r[:, None]) * D + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=offs_r[:, None] < R)
+
+    class Kernels:
+        @staticmethod
+        def split(grid, *args, **meta):
+            split_kernel[grid](*args, **meta, num_warps=4, num_stages=2)
+
+        @staticmethod
+        def combine(grid, *args, **meta):
+            combine_kernel[grid](*args, **meta, num_warps=4)
+
+    return Kernels

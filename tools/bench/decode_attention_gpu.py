@@ -1,0 +1,90 @@
+"""Benchmark: a decode step's attention on one GPU, the Triton kernel against torch's fused kernel.
+
+    python tools/bench/decode_attention_gpu.py [--rows 64,256] [--slots 640,768] [--layers 28]
+
+Qwen2-1.5B's attention shape (2 key groups of 6 query heads, head dim 128, bf16). Per (rows,
+width): the new token at slot width - 68 (the slots after it masked, as in the engine's static
+width), ``--layers`` calls replayed from one CUDA graph; milliseconds per step for
+``models/decode_attention.py``'s kernels and for ``scaled_dot_product_attention`` with the same
+additive mask, and the bandwidth each reaches on the bytes a step must read (keys and values of
+the seen slots). First, each kernel's largest error against float64 attention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+GROUPS, PER_GROUP, DIM, SCALE = 2, 6, 128, 128 ** -0.5
+
+
+def inputs(rows: int, width: int, current: int, cache: torch.Tensor):
+    q = torch.randn(rows, GROUPS, PER_GROUP, DIM, device="cuda", dtype=torch.bfloat16)
+    key, value = cache[0, :rows, :, :width], cache[1, :rows, :, :width]
+    masked = torch.zeros(rows, 1, 1, width, dtype=torch.bool, device="cuda")
+    masked[..., current + 1:] = True
+    bias = torch.zeros(masked.shape, dtype=torch.bfloat16, device="cuda").masked_fill_(masked, float("-inf"))
+    return q, key, value, masked, bias
+
+
+def step_ms(fn, layers: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(layers):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 10
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="64,256")
+    parser.add_argument("--slots", default="640,768")
+    parser.add_argument("--layers", type=int, default=28)
+    args = parser.parse_args()
+    from megatron_rl.models.decode_attention import decode_attention, triton_available
+
+    assert triton_available(), "needs a GPU and triton"
+    rows_list = [int(r) for r in args.rows.split(",")]
+    widths = [int(w) for w in args.slots.split(",")]
+    cache = torch.randn(2, max(rows_list), GROUPS, max(widths) + 64, DIM, device="cuda", dtype=torch.bfloat16)
+    kernels = {
+        "triton": lambda q, k, v, b: decode_attention(q, k, v, b, SCALE),
+        "sdpa": lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=SCALE),
+    }
+    q, key, value, masked, bias = inputs(rows_list[0], widths[0], widths[0] - 68, cache)
+    scores = torch.matmul(q.double(), key.double().transpose(-1, -2)) * SCALE
+    exact = torch.matmul(torch.softmax(scores.masked_fill(masked, float("-inf")), -1), value.double())
+    for name, fn in kernels.items():
+        print(f"{name}: max |error| vs float64 {(fn(q, key, value, bias).double() - exact).abs().max().item():.2e}")
+    print(f"\n{'rows':>5} {'slots':>6} {'seen':>5} " + " ".join(f"{n + ' ms':>10} {n + ' TB/s':>12}" for n in kernels))
+    for rows in rows_list:
+        for width in widths:
+            current = width - 68
+            q, key, value, _, bias = inputs(rows, width, current, cache)
+            needed = 2 * rows * GROUPS * (current + 1) * DIM * 2 * args.layers / 1e9  # GB per step
+            cells = []
+            for fn in kernels.values():
+                ms = step_ms(lambda: fn(q, key, value, bias), args.layers)
+                cells.append(f"{ms:>10.3f} {needed / ms:>12.2f}")
+            print(f"{rows:>5} {width:>6} {current + 1:>5} " + " ".join(cells))
+    print(f"({args.layers} layers per step, {torch.cuda.get_device_name()})")
+
+
+if __name__ == "__main__":
+    main()
