@@ -2,6 +2,7 @@
 logits) only, whatever batch, row order or engine serves it."""
 
 import asyncio
+import threading
 import dataclasses
 from typing import Dict, List, Tuple
 
@@ -199,15 +200,19 @@ def test_seeded_requests_draw_the_same_whatever_batch_order_or_engine(weights):
     _assert_same(asyncio.run(split_over_two_engines()), reference)
 
 
+@pytest.mark.parametrize("lookahead", [False, True], ids=["stepwise", "lookahead"])
 @pytest.mark.parametrize("recompute", [True, False])
-def test_seeded_requests_keep_their_streams_through_admission_and_weight_swaps(weights, recompute):
+def test_seeded_requests_keep_their_streams_through_admission_and_weight_swaps(weights, recompute, lookahead):
     """Requests join while others are mid-flight; a pause and a swap to the same weights
-    (re-prefilled with ``recompute_kv_on_update``) must continue each stream, not restart it."""
+    (re-prefilled with ``recompute_kv_on_update``) must continue each stream, not restart it.
+    With the GPU's look-ahead (forced on here) a burst leaves a step in flight: the pause records
+    it before the weights change, so no row loses or repeats a token."""
     reference = _one_batch(weights)
     long = dataclasses.replace(UNSEEDED, max_new_tokens=40, stop_token_ids=(), stream=True)
 
     async def run():
         engine = _engine(weights, max_batch_size=6, seed=4, recompute=recompute)
+        engine.decode_lookahead = lookahead
         first = [_group(engine, *GROUP, SEEDED)]
         watcher = engine.generate("watch", [2, 2, 2], long)
         await watcher.__anext__()  # the first batch is decoding
@@ -216,6 +221,7 @@ def test_seeded_requests_keep_their_streams_through_admission_and_weight_swaps(w
         while not any(r.tokens for r in engine._running.values() if r.request_id.startswith("s")):
             await asyncio.sleep(0.001)
         await engine.pause("keep")
+        assert engine._inflight is None
         await engine.update_weights(_hf(engine, weights).items(), version=1)
         await engine.resume()
         out = _merge(await asyncio.gather(*tasks))
@@ -263,3 +269,46 @@ def test_decode_lookahead_samples_what_the_step_by_step_loop_samples(weights):
     for tokens, _ in got.values():
         assert len(tokens) <= SEEDED.max_new_tokens
         assert all(t not in SEEDED.stop_token_ids for t in tokens[:-1])
+
+
+def test_a_pause_records_the_step_a_burst_left_in_flight(weights):
+    """With the GPU's look-ahead (forced on here) a burst that ends on its budget leaves the step
+    it launched running while the event loop records. A pause that comes then returns only once
+    that step is recorded too (weights may change next, under its kernels on a GPU); the request
+    then draws exactly the tokens of an uninterrupted run."""
+    params = dataclasses.replace(SEEDED, max_new_tokens=48, stop_token_ids=(), stream=True)
+
+    async def run(pause: bool):
+        engine = _engine(weights, max_batch_size=4, seed=1)
+        engine.decode_lookahead = True
+        burst, left, gate = engine._decode_burst, threading.Event(), threading.Event()
+
+        def held_burst(*args):  # the first burst that leaves a step in flight waits for the pause
+            steps = burst(*args)
+            if pause and engine._inflight is not None and not left.is_set():
+                left.set()
+                gate.wait(30)
+            return steps
+
+        engine._decode_burst = held_burst
+
+        async def consume():
+            return [t async for chunk in engine.generate("r", [1, 4, 2], params) for t in chunk.token_ids]
+
+        task = asyncio.ensure_future(consume())
+        if pause:
+            assert await asyncio.to_thread(left.wait, 30)
+            pausing = asyncio.ensure_future(engine.pause("keep"))
+            await asyncio.sleep(0.01)  # the pause is waiting for the burst
+            gate.set()
+            await pausing
+            assert engine._inflight is None
+            await engine.update_weights(_hf(engine, weights).items(), version=1)
+            await engine.resume()
+        tokens = await task
+        await engine.shutdown()
+        return tokens
+
+    uninterrupted = asyncio.run(run(False))
+    assert len(uninterrupted) == 48
+    assert asyncio.run(run(True)) == uninterrupted

@@ -35,7 +35,7 @@ from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
 from ..sampling import Stream, request_key
-from .generator import KVCachedGenerator
+from .generator import KVCachedGenerator, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +171,10 @@ class EmbeddedEngine(RolloutEngine):
         # GPU the host's per-step work then overlaps the step). Off on a CPU, where a launch is the
         # computation itself and a burst's extra step would only cost time.
         self.decode_lookahead = self.device.type == "cuda"
+        # A decode step a burst launched before returning (look-ahead), not yet recorded: it runs
+        # while the event loop records the burst's tokens. ``_settle`` records it before anything
+        # changes the batch, the weights or the random generator.
+        self._inflight: Optional[PendingStep] = None
         self.stats = EngineStats()
 
     # ------------------------------------------------------------------ API
@@ -233,11 +237,13 @@ class EmbeddedEngine(RolloutEngine):
 
     async def sampling_state(self) -> Optional[bytes]:
         async with self._lock():  # not in the middle of a sampling step
+            self._settle()
             return bytes(self._gen.generator.get_state().tolist())
 
     async def set_sampling_state(self, state: Optional[bytes]) -> None:
         if state is not None:
             async with self._lock():
+                self._settle()
                 self._gen.generator.set_state(torch.tensor(list(state), dtype=torch.uint8))
 
     def _lock(self) -> asyncio.Lock:
@@ -268,7 +274,7 @@ class EmbeddedEngine(RolloutEngine):
         if mode == "abort":
             await self.abort()
         async with self._step_lock:  # returns once the step in progress (if any) has finished
-            pass
+            self._settle()
 
     async def resume(self) -> None:
         self._ensure_started()
@@ -342,6 +348,7 @@ class EmbeddedEngine(RolloutEngine):
                     await self._step()
                 except Exception as err:  # noqa: BLE001 - one bad batch must not kill the engine
                     logger.exception("embedded engine step failed")
+                    self._inflight = None
                     for req in list(self._running.values()):
                         self._close(req, err)
                     self._batch = []
@@ -355,6 +362,8 @@ class EmbeddedEngine(RolloutEngine):
 
     async def _step(self) -> None:
         """One model call: a rebuild, an admission of waiting requests, or a decode step."""
+        if self._pending or self._kv_stale:  # the batch may change: its rows' last tokens first
+            self._settle()
         running = self._rows
         if not running and not self._pending:
             return
@@ -383,37 +392,51 @@ class EmbeddedEngine(RolloutEngine):
         live = [None if req.finish is not None else (req.params.stop_token_ids, req.remaining) for req in self._batch]
         steps = await self._compute("decode", self._decode_burst, running[0].params, live, compact_at, budget)
         for sampled in steps or ():
-            self.stats.decode_steps += 1
-            self.stats.decode_rows += len(self._rows)
-            self._record(self._batch, *sampled)
+            self._record_step(sampled)
+
+    def _record_step(self, sampled: Tuple[List[int], List[float]]) -> None:
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(self._rows)
+        self._record(self._batch, *sampled)
+
+    def _settle(self) -> None:
+        """Record the decode step left in flight by the last burst, if any. The event loop calls
+        this while no burst runs: before a prefill or admission, and under the step lock."""
+        if self._inflight is not None:
+            step, self._inflight = self._inflight, None
+            self._record_step(step.result())
 
     def _decode_burst(self, params: SamplingParams, live: List[Optional[Tuple[tuple, int]]], compact_at: int,
                       budget: int) -> List[Tuple[List[int], List[float]]]:
         """Compute thread: decode steps until ``budget`` steps ran or the event loop has work, i.e.
-        every row finished, ``compact_at`` rows finished, a request arrived, a pause or an abort
-        (with ``decode_lookahead``, one step more when the steps launched ahead allow it).
+        every row finished, ``compact_at`` rows finished, a request arrived, a pause or an abort.
         ``live``: per batch row, (stop ids, remaining budget) or None once finished; the rows'
-        finishes are tracked here as ``_record`` will find them."""
+        finishes are tracked here as ``_record`` will find them. With ``decode_lookahead`` (and a
+        budget over one step) the burst starts from the step the last one left in flight, and
+        launches each step before reading the previous one's tokens, so the GPU works while the
+        host checks stops. A burst that ends on its budget leaves the step it launched in flight
+        (``_inflight``: it runs while the event loop records); one that ends for the event loop's
+        work keeps that step as its last (rows that finished ignore its tokens)."""
         arrivals = self._arrivals
         finished = sum(state is None for state in live)
         steps = []
-        pending = self._gen.decode_start(params)
+        pending, self._inflight = self._inflight or self._gen.decode_start(params), None
         while True:
-            # Look ahead: the next step is launched before this one's tokens are read, so the GPU
-            # works while the host checks stops. Should the burst end here, the step already
-            # launched is kept as the burst's last (rows that finished ignore its tokens).
             room = self._gen.offset < self._gen.cache_len  # a slot for one more step
             ahead = None
-            if self.decode_lookahead and room and len(steps) + 1 < budget:
+            if self.decode_lookahead and room and budget > 1:
                 ahead = self._gen.decode_start(params)
             tokens, logprobs = pending.result()
             steps.append((tokens, logprobs))
             finished += self._track_finishes(live, tokens)
-            if (len(steps) >= budget or finished >= min(compact_at, len(live)) or self._paused or self._aborted
-                    or self._arrivals != arrivals):
-                if ahead is not None:
+            event = (finished >= min(compact_at, len(live)) or self._paused or self._aborted
+                     or self._arrivals != arrivals)
+            if event or len(steps) >= budget:
+                if ahead is not None and event:
                     steps.append(ahead.result())
                     self._track_finishes(live, steps[-1][0])
+                elif ahead is not None:
+                    self._inflight = ahead
                 return steps
             pending = ahead or self._gen.decode_start(params)
 
@@ -434,6 +457,7 @@ class EmbeddedEngine(RolloutEngine):
         return finished
 
     async def _rebuild(self, running: List[_Request], joining: List[_Request]) -> None:
+        self._settle()
         rows = running + joining
         self._take(joining)
         sampled = await self._compute("prefill", self._gen.prefill, [r.prompt_ids + r.tokens for r in rows],
@@ -446,6 +470,7 @@ class EmbeddedEngine(RolloutEngine):
         self._record(rows, *sampled)
 
     async def _admit(self, running: List[_Request], joining: List[_Request]) -> None:
+        self._settle()  # (a compaction: no request waits, so _step has not)
         keep = [row for row, req in enumerate(self._batch) if req.finish is None]
         self._take(joining)
         sampled = await self._compute("admit", self._gen.admit, keep, [r.prompt_ids + r.tokens for r in joining],
