@@ -12,12 +12,11 @@ recomputes each chunk's softmax instead of storing it.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Tuple
 
 import torch
 
-logger = logging.getLogger(__name__)
+from ..compiled import CompiledOrEager
 
 # fp32 elements of one chunk's working tensors (a few of them are alive at once): 2**25 is 128 MB,
 # ~220 tokens of a 152k vocabulary; large enough that per-chunk kernel launches are noise.
@@ -70,35 +69,10 @@ def backward_chunk(logits: torch.Tensor, local_targets: torch.Tensor, in_range: 
     return (grad / temperature).to(logits.dtype)
 
 
-class _Kernels:
-    """The chunk functions: compiled by torch.compile on a GPU (one fused pass over each chunk's
-    logits instead of several element-wise kernels and fp32 temporaries), eager elsewhere or when
-    compiling fails (then once, with a warning)."""
-
-    def __init__(self):
-        self._compiled = None
-        self.use_compile = True
-
-    def get(self, device: torch.device):
-        if device.type != "cuda" or not self.use_compile:
-            return forward_chunk, backward_chunk
-        if self._compiled is None:
-            self._compiled = (torch.compile(forward_chunk, dynamic=True), torch.compile(backward_chunk, dynamic=True))
-        return self._compiled
-
-    def call(self, which: int, device: torch.device, *args):
-        fn = self.get(device)[which]
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - an inductor/triton failure must not stop training
-            if fn is (forward_chunk, backward_chunk)[which]:
-                raise
-            logger.warning("compiled logprob kernels failed (%s); using the eager ones", exc)
-            self.use_compile = False
-            return (forward_chunk, backward_chunk)[which](*args)
-
-
-KERNELS = _Kernels()
+# The chunk functions, compiled on a GPU: one fused pass over each chunk's logits instead of several
+# element-wise kernels and fp32 temporaries.
+FORWARD_CHUNK = CompiledOrEager(forward_chunk, "logprob forward kernel")
+BACKWARD_CHUNK = CompiledOrEager(backward_chunk, "logprob backward kernel")
 
 
 class _ChunkedLogprobEntropy(torch.autograd.Function):
@@ -122,7 +96,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         in_range = (local_targets >= 0) & (local_targets < width)
         local_targets = torch.where(in_range, local_targets, torch.zeros_like(local_targets))
         for c in _chunks(n, width, chunk_elements):
-            m, sum_exp, weighted, target = KERNELS.call(0, dev, logits[c], local_targets[c], in_range[c], temperature,
+            m, sum_exp, weighted, target = FORWARD_CHUNK(logits[c], local_targets[c], in_range[c], temperature,
                                                         maxes[c] if group is not None else None)
             maxes[c], sums[0, c], sums[1, c], sums[2, c] = m, sum_exp, weighted, target
         if group is not None:
@@ -149,7 +123,7 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
         n, width = logits.shape
         grad = torch.empty_like(logits)
         for c in _chunks(n, width, ctx.chunk_elements):
-            grad[c] = KERNELS.call(1, logits.device, logits[c], local_targets[c], in_range[c], log_norm[c], entropy[c],
+            grad[c] = BACKWARD_CHUNK(logits[c], local_targets[c], in_range[c], log_norm[c], entropy[c],
                                    grad_logprobs[c], grad_entropy[c], ctx.temperature)
         return grad, None, None, None, None
 

@@ -220,11 +220,12 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
     if cuda_available():
-        from .compiled_rope import compiled_calls_beside_tracing, use_compiled_rope
+        from .compiled_rope import compiled_calls_beside_tracing, memoize_rotary_per_forward, use_compiled_rope
 
         compiled_calls_beside_tracing()
         if cfg.fused_kernels:
             use_compiled_rope()
+            memoize_rotary_per_forward(model)
         model = model.cuda(torch.cuda.current_device())
     return model
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-logger = logging.getLogger(__name__)
+from ..compiled import CompiledOrEager
 
 # (request key, position): the stream of one row's next draw.
 Stream = Tuple[int, int]
@@ -100,25 +99,10 @@ def _draw_tempered(logits: torch.Tensor, noise: torch.Tensor, temperature: float
     return tokens.squeeze(-1), (tempered.gather(-1, tokens) - lse).squeeze(-1)
 
 
-_compiled_draw = None
-
-
-def draw_tempered(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``_draw_tempered``; on a GPU compiled into a couple of kernels. Unfused, a decode step's
-    sampling at batch 256 and a 152k vocabulary ran about 15 kernels over [256, V] fp32 copies
-    (cast, divide, log-softmax, softmax, the noise, its division, argmax, multinomial's checks):
-    0.9 ms of a 6 ms step on an H200. Should compiling fail, the eager function runs, with a warning."""
-    global _compiled_draw
-    if not logits.is_cuda:
-        return _draw_tempered(logits, noise, temperature)
-    if _compiled_draw is None:
-        _compiled_draw = torch.compile(_draw_tempered, dynamic=True)
-    try:
-        return _compiled_draw(logits, noise, temperature)
-    except Exception as exc:  # noqa: BLE001 - an inductor/triton failure must not stop generation
-        logger.warning("compiled sampling failed (%s); sampling eagerly", exc)
-        _compiled_draw = _draw_tempered
-        return _draw_tempered(logits, noise, temperature)
+# Unfused, a decode step's sampling at batch 256 and a 152k vocabulary ran about 15 kernels over
+# [256, V] fp32 copies (cast, divide, log-softmax, softmax, the noise, its division, argmax,
+# multinomial's checks): 0.9 ms of a 6 ms step on an H200. Compiled on a GPU: a couple of kernels.
+draw_tempered = CompiledOrEager(_draw_tempered, "sampling")
 
 
 def request_key(seed: int, request_id: str) -> int:
