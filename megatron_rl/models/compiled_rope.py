@@ -57,8 +57,8 @@ def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> Tuple[tor
     Within a model forward (``memoize_rotary_per_forward``) they are computed once per frequency
     tensor and shared by every layer: the query and key of every layer get the same table. Computed
     inside the rotation kernel instead, sin and cos run once per element of every head of every
-    layer: at 256 prompts of 512 tokens that made RoPE a compute-bound 49 ms of a 650 ms prefill on
-    an H200. A memo entry holds its tensor, so no other tensor can take its address while the
+    layer: at 256 prompts of 512 tokens RoPE took 49 ms of a 650 ms prefill's kernels on an H200,
+    far above what moving its bytes costs. A memo entry holds its tensor, so no other tensor can take its address while the
     entry lives; the version counter catches an in-place change."""
     memo: Dict[tuple, Tuple[torch.Tensor, ...]] = _memos.stack[-1] if _memos.stack else None
     key = (freqs.data_ptr(), freqs.device, tuple(freqs.shape), freqs.stride(), freqs._version, mscale, dtype)

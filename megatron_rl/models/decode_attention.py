@@ -15,7 +15,8 @@ batches too.
 Used when triton imports (it ships with CUDA builds of torch); ``CachedKVAttention.decode_kernel``
 selects it. CI has no GPU: ``split_decode_reference`` computes the same slicing and combination
 with torch ops on any device, and tests compare it with plain attention; the Triton kernels
-themselves are compared with it on a GPU (tests/test_decode_attention.py, skipped without CUDA).
+themselves run through Triton's interpreter on a CPU (in the vLLM test phase, whose venv has
+triton) and compiled on a GPU (tests/test_decode_attention.py).
 """
 
 from __future__ import annotations
