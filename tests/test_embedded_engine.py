@@ -206,6 +206,41 @@ def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypat
     assert burst_handoffs < single_handoffs / 2
 
 
+def test_a_full_batch_with_requests_waiting_decodes_in_bursts_until_a_row_finishes(megatron_world, monkeypatch):
+    """16 requests, 6 rows: ten wait while the batch is full. Nothing can join until a row
+    finishes, so the compute thread decodes until then instead of handing off after every step;
+    it must still hand off exactly where the one-step loop admits, or the draws would differ."""
+    import megatron_rl.rollout.embedded.engine as engine_module
+
+    weights = {}
+
+    def run(burst):
+        monkeypatch.setattr(engine_module, "DECODE_BURST", burst)
+        engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=6, seed=0)
+        weights.setdefault("state", engine.model.state_dict())
+        engine.model.load_state_dict(weights["state"])
+        waiting_bursts = []  # steps of each burst run while requests waited
+        real = engine._decode_burst
+
+        def burst_fn(*args):
+            steps = real(*args)
+            if engine._pending:
+                waiting_bursts.append(len(steps))
+            return steps
+
+        engine._decode_burst = burst_fn
+        return _stop_mixed_batch(engine), engine.stats, waiting_bursts
+
+    single, single_stats, single_waiting = run(1)
+    burst, burst_stats, burst_waiting = run(16)
+    assert [t.response_ids for t in burst] == [t.response_ids for t in single]
+    assert [t.logprobs for t in burst] == [t.logprobs for t in single]
+    assert burst_stats.decode_steps == single_stats.decode_steps
+    assert burst_stats.decode_rows == single_stats.decode_rows
+    assert burst_stats.admissions == single_stats.admissions > 0
+    assert max(burst_waiting) > 1 and len(burst_waiting) < len(single_waiting)
+
+
 def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whole(megatron_world):
     """generate_n answers a group with one future (no stream per request). Its responses must be
     what the same requests made one by one get (same seed and weights: same rows, same draws);

@@ -6,8 +6,9 @@ continuous: when enough requests are waiting (or the batch has thinned out) and 
 cache, the batch is rebuilt with the running requests plus the newcomers, so a few long responses
 never hold the engine at a handful of rows. Pause, abort and weight swaps take effect between
 steps; every token is tagged with the version that sampled it. While nobody is waiting to join,
-the compute thread decodes several steps in a row (a burst) before it hands the tokens to the event
-loop: the hand-off costs about as much as a small model's decode step on a CPU. A burst ends
+or the batch is full (nobody can join before a row finishes), the compute thread decodes several
+steps in a row (a burst) before it hands the tokens to the event loop: the hand-off costs about as
+much as a small model's decode step on a CPU, and on a GPU a burst launches each step ahead. A burst ends
 where the one-step loop would have done something else (compact finished rows, admit a newcomer,
 pause, abort), so it samples the same tokens. After new weights the running
 requests are re-prefilled (``recompute_kv_on_update``, so every later token comes from the new
@@ -387,10 +388,18 @@ class EmbeddedEngine(RolloutEngine):
         if finished >= compact_at:  # drop finished rows from the decode batch
             await self._admit(running, [])
             return
-        # With requests waiting, one step: whether they can join is decided again after it.
-        budget = 1 if self._pending else DECODE_BURST
+        budget, stop_at = DECODE_BURST, compact_at
+        if self._pending:
+            if len(running) < self._gen.max_batch_size:
+                # Whether the waiting requests can join changes with the offset: one step, then
+                # decide again.
+                budget = 1
+            else:
+                # A full batch: nothing can join, rebuild or compact until a row finishes (then
+                # its row is free), so a burst runs until then.
+                stop_at = 1
         live = [None if req.finish is not None else (req.params.stop_token_ids, req.remaining) for req in self._batch]
-        steps = await self._compute("decode", self._decode_burst, running[0].params, live, compact_at, budget)
+        steps = await self._compute("decode", self._decode_burst, running[0].params, live, stop_at, budget)
         for sampled in steps or ():
             self._record_step(sampled)
 
@@ -406,10 +415,10 @@ class EmbeddedEngine(RolloutEngine):
             step, self._inflight = self._inflight, None
             self._record_step(step.result())
 
-    def _decode_burst(self, params: SamplingParams, live: List[Optional[Tuple[tuple, int]]], compact_at: int,
+    def _decode_burst(self, params: SamplingParams, live: List[Optional[Tuple[tuple, int]]], stop_at: int,
                       budget: int) -> List[Tuple[List[int], List[float]]]:
         """Compute thread: decode steps until ``budget`` steps ran or the event loop has work, i.e.
-        every row finished, ``compact_at`` rows finished, a request arrived, a pause or an abort.
+        every row finished, ``stop_at`` rows finished, a request arrived, a pause or an abort.
         ``live``: per batch row, (stop ids, remaining budget) or None once finished; the rows'
         finishes are tracked here as ``_record`` will find them. With ``decode_lookahead`` (and a
         budget over one step) the burst starts from the step the last one left in flight, and
@@ -429,7 +438,7 @@ class EmbeddedEngine(RolloutEngine):
             tokens, logprobs = pending.result()
             steps.append((tokens, logprobs))
             finished += self._track_finishes(live, tokens)
-            event = (finished >= min(compact_at, len(live)) or self._paused or self._aborted
+            event = (finished >= min(stop_at, len(live)) or self._paused or self._aborted
                      or self._arrivals != arrivals)
             if event or len(steps) >= budget:
                 if ahead is not None and event:
