@@ -100,3 +100,24 @@ def test_learner_gpu_bench_flop_formula_by_hand():
     assert matmul_params(m, 151936) == 28 * per_layer + 151936 * 1536 == 1_543_569_408
     # 8 rows of 2048: 6 N T plus causal attention, 6 L d s^2 per row.
     assert step_flops(m, 151936, 8, 2048) == 6 * 1_543_569_408 * 8 * 2048 + 6 * 28 * 1536 * 8 * 2048 ** 2
+
+
+def test_engine_gpu_bench_roofline_by_hand():
+    """tools/bench/engine_gpu.py's roofline at Qwen2-1.5B's shape, batch 256, 512 + 256 tokens:
+    prefill matmuls and attention, then per step the matmuls (compute-bound at 256 rows) and the
+    cached keys and values (28 KiB per token) read once."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from engine_gpu import roofline_seconds
+
+    from megatron_rl.config import load_config
+
+    m = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"]).model
+    layers, weights = 1_543_569_408 - 151936 * 1536, 1_543_569_408
+    prefill = (2 * layers * 512 + 2 * 28 * 1536 * 512 ** 2) * 256 / 989e12
+    step = 2 * weights * 256 / 989e12  # > weights * 2 / 4.8e12: compute-bound
+    kv = 256 * 28 * 2 * 2 * 128 * 2 * sum(512 + t for t in range(256)) / 4.8e12
+    assert roofline_seconds(m, 151936, 256, 512, 256) == pytest.approx(prefill + 256 * step + kv, rel=1e-12)
+    assert 0.80 < prefill + 256 * step + kv < 0.82  # ~81k tokens/s
+    # One row: the step is bound by reading the weights, not by their arithmetic.
+    one = roofline_seconds(m, 151936, 1, 512, 256)
+    assert one > 256 * weights * 2 / 4.8e12

@@ -13,7 +13,8 @@ so every request generates exactly --new-tokens tokens. Per batch size: the engi
 replayed from CUDA graphs, ``--graphs on``, or launched eagerly, ``off``), its prefill seconds and
 decode milliseconds per step, ``generate``'s tokens/s (the faster of two calls over the whole
 batch, each after a short warm-up call; each call's rate is listed below the table), and the
-ratio. ``--profile``: the prefill's and the decode step's kernel time and heaviest kernels, per
+ratio; then the roofline (``roofline_seconds``: the chip's datasheet peaks, no kernel can beat
+it) and the engine's share of it. ``--profile``: the prefill's and the decode step's kernel time and heaviest kernels, per
 batch. ``--decode-attention``: the decode step's attention kernel(s);
 ``--width-step``: the graphs' attention-width bucket; ``--warmup-tokens``: the warm-up's length
 (as long as the run: every graph the run needs is captured before it is timed).
@@ -35,6 +36,31 @@ from typing import List, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from learner_gpu import matmul_params  # noqa: E402 - the sibling benchmark's parameter count
+
+# An H200's datasheet peaks: dense bf16 matmuls and HBM3e bandwidth. The roofline column uses them.
+PEAK_TFLOPS = 989.0
+PEAK_TBS = 4.8
+
+
+def roofline_seconds(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, tflops: float = PEAK_TFLOPS,
+                     tbs: float = PEAK_TBS, dtype_bytes: int = 2) -> float:
+    """A lower bound on one batch's time (prefill, then ``new_tokens`` decode steps): the prefill's
+    matmuls and causal attention at ``tflops`` (the LM head runs on the last token only), then per
+    decode step the slower of its matmuls at ``tflops`` and reading their weights at ``tbs``, plus
+    reading every row's cached keys and values at ``tbs``."""
+    flops, bandwidth = tflops * 1e12, tbs * 1e12
+    hd = m.head_dim or m.hidden_size // m.num_attention_heads
+    weights = matmul_params(m, vocab)
+    layers = weights - vocab * m.hidden_size
+    attention = 2 * m.num_layers * m.num_attention_heads * hd * prompt_len ** 2  # per row: QK and PV, causal
+    prefill = (2 * layers * prompt_len + attention) * batch / flops
+    step = max(2 * weights * batch / flops, weights * dtype_bytes / bandwidth)
+    kv_per_token = m.num_layers * 2 * m.num_query_groups * hd * dtype_bytes
+    cached = batch * kv_per_token * (new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2)
+    return prefill + new_tokens * step + cached / bandwidth
 
 
 def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights,
@@ -202,9 +228,12 @@ def main() -> None:
             rates = [batch * args.new_tokens / took for took in hf_run(hf_model, prompts, args.new_tokens)]
             hf_tps = max(rates)
             notes.append(f"generate at batch {batch}, tokens/s per call: " + ", ".join(f"{r:,.0f}" for r in rates))
+        roofline_tps = batch * args.new_tokens / roofline_seconds(cfg.model, args.vocab, batch, args.prompt_len,
+                                                                  args.new_tokens)
         for graphs, engine_tps, prefill_s, step_ms in results:
             rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {graphs:>15} {engine_tps:>12.0f} "
-                        f"{prefill_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} {engine_tps / hf_tps:>7.2f}x")
+                        f"{prefill_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} {engine_tps / hf_tps:>7.2f}x "
+                        f"{roofline_tps:>13.0f} {100 * engine_tps / roofline_tps:>5.0f}%")
             print(rows[-1], flush=True)
     del hf_model
     torch.cuda.empty_cache()
@@ -228,7 +257,7 @@ def main() -> None:
     print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.recipe} shape, vocab "
           f"{args.vocab}, bf16, T=1, no stop token ({torch.cuda.get_device_name()})")
     print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs/decode':>15} {'engine tok/s':>12} {'prefill s':>9} "
-          f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8}")
+          f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'roofline tok/s':>13} {'of it':>6}")
     for line in rows:
         print(line)
     for line in notes:
