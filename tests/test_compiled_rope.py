@@ -85,6 +85,23 @@ def test_cos_sin_are_computed_once_per_forward_and_not_kept_after_it(megatron_wo
     assert compiled_rope._memos.stack == []
 
 
+def test_inference_mode_frequencies_are_rotated_without_a_memo(compiled_rope_installed):
+    """An inference-mode tensor has no version counter to key a memo on: computed directly."""
+    from megatron_rl.models import compiled_rope
+
+    megatron_rotary, rotary = compiled_rope_installed
+    t = torch.randn(5, 2, 3, 8)
+    with torch.inference_mode():
+        freqs = torch.randn(5, 1, 1, 8)
+        compiled_rope._memos.stack.append({})
+        try:
+            out = rotary(t, freqs)
+            assert compiled_rope._memos.stack[-1] == {}
+        finally:
+            compiled_rope._memos.stack.pop()
+    assert torch.equal(out, megatron_rotary(t, freqs))
+
+
 def test_compiled_rope_falls_back_to_the_eager_function(compiled_rope_installed, monkeypatch, caplog):
     from megatron_rl.compiled import CompiledOrEager
     from megatron_rl.models import compiled_rope

@@ -11,7 +11,7 @@ kernel, and the sine and cosine are computed once per forward rather than once p
 from __future__ import annotations
 
 import threading
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -58,16 +58,20 @@ def cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> Tuple[tor
     tensor and shared by every layer: the query and key of every layer get the same table. Computed
     inside the rotation kernel instead, sin and cos run once per element of every head of every
     layer: at 256 prompts of 512 tokens RoPE took 49 ms of a 650 ms prefill's kernels on an H200,
-    far above what moving its bytes costs. A memo entry holds its tensor, so no other tensor can take its address while the
-    entry lives; the version counter catches an in-place change."""
-    memo: Dict[tuple, Tuple[torch.Tensor, ...]] = _memos.stack[-1] if _memos.stack else None
+    far above what moving its bytes costs. A memo entry holds its tensor, so no other tensor can
+    take its address while the entry lives; the version counter catches an in-place change (an
+    inference-mode tensor has none: it is not memoized)."""
+    memo: Optional[Dict[tuple, Tuple[torch.Tensor, ...]]] = _memos.stack[-1] if _memos.stack else None
+    if memo is None or freqs.is_inference():
+        return _scaled_cos_sin(freqs, mscale, dtype)
     key = (freqs.data_ptr(), freqs.device, tuple(freqs.shape), freqs.stride(), freqs._version, mscale, dtype)
-    if memo is not None and key in memo:
-        return memo[key][1:]
-    cos, sin = (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
-    if memo is not None:
-        memo[key] = (freqs, cos, sin)
-    return cos, sin
+    if key not in memo:
+        memo[key] = (freqs, *_scaled_cos_sin(freqs, mscale, dtype))
+    return memo[key][1:]
+
+
+def _scaled_cos_sin(freqs: torch.Tensor, mscale: float, dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    return (torch.cos(freqs) * mscale).to(dtype), (torch.sin(freqs) * mscale).to(dtype)
 
 
 def memoize_rotary_per_forward(model: torch.nn.Module) -> None:
