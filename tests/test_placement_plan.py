@@ -25,6 +25,9 @@ def test_data_parallel_coordinates_and_multi_rank_engines():
     assert plan.engine_groups == ((8, 9, 10, 11), (12, 13, 14, 15))
     assert {r.node for r in plan.ranks if r.engine == 1} == {1}
     assert plan.sync_sources == (0,)
+    # vLLM's workers are not ranks: the table names the channel each stage's source hosts.
+    assert plan.table().splitlines()[-1] == (
+        "weight channels: stage 0: rank 0 -> the vLLM workers on ranks [8, 9, 10, 11, 12, 13, 14, 15]")
 
 
 def test_colocated_every_rank_learns_and_hosts_an_engine():

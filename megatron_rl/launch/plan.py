@@ -91,7 +91,13 @@ class Plan:
                 r.engine, r.engine_member, "source" if r.sync_source else None)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         lines = [head] + ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-        if self.sync_groups:
+        if self.sync_groups and lay.engine_kind == "vllm":
+            # vLLM's workers are processes of vLLM's own, not ranks: each stage's source hosts a
+            # weight channel that the worker on every engine rank's GPU joins.
+            lines.append("weight channels: " + "; ".join(
+                f"stage {s}: rank {src} -> the vLLM workers on ranks {list(self.engine_ranks)}"
+                for s, src in enumerate(self.sync_sources)))
+        elif self.sync_groups:
             lines.append("weight-sync groups: " + "; ".join(
                 f"stage {s}: {list(g)}" for s, g in enumerate(self.sync_groups)))
         elif self.engine_groups:
