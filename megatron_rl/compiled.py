@@ -46,6 +46,8 @@ class CompiledOrEager:
             self._compiled = torch.compile(self.eager, dynamic=True)
         try:
             return self._compiled(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError:
+            raise  # the eager kernels need as much memory: not a compiler failure
         except Exception as exc:  # noqa: BLE001 - an inductor/triton failure must not stop the run
             logger.warning("compiled %s failed (%s); running it eagerly from now on", self.what, exc)
             self.failed = True

@@ -54,3 +54,16 @@ def test_the_compiled_function_is_used_when_it_works(monkeypatch):
     fn = CompiledOrEager(_double, "doubling", only_cuda=False)
     assert torch.equal(fn(torch.ones(2)), torch.full((2,), 2.0))
     assert seen == [{"dynamic": True}] and not fn.failed
+
+
+def test_running_out_of_memory_is_raised_not_taken_for_a_compiler_failure(monkeypatch):
+    def oom_compile(fn, **kwargs):
+        def compiled(*args, **kw):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", oom_compile)
+    fn = CompiledOrEager(_double, "doubling", only_cuda=False)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fn(torch.ones(2))
+    assert not fn.failed
