@@ -176,69 +176,58 @@ def _stop_mixed_batch(engine):
     return asyncio.run(run())
 
 
+def _run_in_bursts(monkeypatch, weights: dict, burst: int, max_batch_size: int):
+    """``_stop_mixed_batch`` on an engine of ``max_batch_size`` rows decoding up to ``burst`` steps
+    per hand-off: (trajectories, stats, [(requests waiting, steps) per hand-off])."""
+    import megatron_rl.rollout.embedded.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "DECODE_BURST", burst)
+    engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=max_batch_size, seed=0)
+    # The same weights for every run (on a GPU, Megatron's initialisation RNG moves on per model).
+    weights.setdefault("state", engine.model.state_dict())
+    engine.model.load_state_dict(weights["state"])
+    handoffs = []
+    real = engine._decode_burst
+
+    def counted(*args):
+        steps = real(*args)
+        handoffs.append((bool(engine._pending), len(steps)))
+        return steps
+
+    engine._decode_burst = counted
+    return _stop_mixed_batch(engine), engine.stats, handoffs
+
+
 def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypatch):
     """The compute thread decodes several steps per hand-off; it must stop exactly where the
     one-step loop would compact finished rows, or the rows (and the draws) would differ."""
-    import megatron_rl.rollout.embedded.engine as engine_module
-
     weights = {}
-
-    def run(burst):
-        monkeypatch.setattr(engine_module, "DECODE_BURST", burst)
-        engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=16, seed=0)
-        # The same weights for both (on a GPU, Megatron's initialisation RNG moves on per model).
-        weights.setdefault("state", engine.model.state_dict())
-        engine.model.load_state_dict(weights["state"])
-        handoffs = []
-        real = engine._decode_burst
-        engine._decode_burst = lambda *args: handoffs.append(1) or real(*args)
-        return _stop_mixed_batch(engine), engine.stats, len(handoffs)
-
-    single, single_stats, single_handoffs = run(1)
-    burst, burst_stats, burst_handoffs = run(16)
+    single, single_stats, single_handoffs = _run_in_bursts(monkeypatch, weights, 1, 16)
+    burst, burst_stats, burst_handoffs = _run_in_bursts(monkeypatch, weights, 16, 16)
     assert [t.response_ids for t in burst] == [t.response_ids for t in single]
     assert [t.logprobs for t in burst] == [t.logprobs for t in single]
     assert [t.finish_reason for t in burst] == [t.finish_reason for t in single]
     assert "length" in {t.finish_reason for t in single}
     assert single_stats.admit_s > 0 and burst_stats.admit_s > 0  # the batch was compacted (no newcomers)
-    assert burst_stats.decode_steps == single_stats.decode_steps == single_handoffs
+    assert burst_stats.decode_steps == single_stats.decode_steps == len(single_handoffs)
     assert burst_stats.decode_rows == single_stats.decode_rows
-    assert burst_handoffs < single_handoffs / 2
+    assert len(burst_handoffs) < len(single_handoffs) / 2
 
 
 def test_a_full_batch_with_requests_waiting_decodes_in_bursts_until_a_row_finishes(megatron_world, monkeypatch):
     """16 requests, 6 rows: ten wait while the batch is full. Nothing can join until a row
     finishes, so the compute thread decodes until then instead of handing off after every step;
     it must still hand off exactly where the one-step loop admits, or the draws would differ."""
-    import megatron_rl.rollout.embedded.engine as engine_module
-
     weights = {}
-
-    def run(burst):
-        monkeypatch.setattr(engine_module, "DECODE_BURST", burst)
-        engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=6, seed=0)
-        weights.setdefault("state", engine.model.state_dict())
-        engine.model.load_state_dict(weights["state"])
-        waiting_bursts = []  # steps of each burst run while requests waited
-        real = engine._decode_burst
-
-        def burst_fn(*args):
-            steps = real(*args)
-            if engine._pending:
-                waiting_bursts.append(len(steps))
-            return steps
-
-        engine._decode_burst = burst_fn
-        return _stop_mixed_batch(engine), engine.stats, waiting_bursts
-
-    single, single_stats, single_waiting = run(1)
-    burst, burst_stats, burst_waiting = run(16)
+    single, single_stats, single_handoffs = _run_in_bursts(monkeypatch, weights, 1, 6)
+    burst, burst_stats, burst_handoffs = _run_in_bursts(monkeypatch, weights, 16, 6)
     assert [t.response_ids for t in burst] == [t.response_ids for t in single]
     assert [t.logprobs for t in burst] == [t.logprobs for t in single]
     assert burst_stats.decode_steps == single_stats.decode_steps
     assert burst_stats.decode_rows == single_stats.decode_rows
     assert burst_stats.admissions == single_stats.admissions > 0
-    assert max(burst_waiting) > 1 and len(burst_waiting) < len(single_waiting)
+    waiting = [steps for pending, steps in burst_handoffs if pending]
+    assert max(waiting) > 1 and len(waiting) < sum(pending for pending, _ in single_handoffs)
 
 
 def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whole(megatron_world):
