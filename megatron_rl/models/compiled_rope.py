@@ -14,18 +14,11 @@ import threading
 from typing import Dict, Optional, Tuple
 
 import torch
+from megatron.core.models.common.embeddings.rope_utils import _rotate_half
 
 from ..compiled import CompiledOrEager
 
 _installed = False
-
-
-def _rotate_half(t: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    if not interleaved:
-        first, second = torch.chunk(t, 2, dim=-1)
-        return torch.cat((-second, first), dim=-1)
-    pairs = torch.stack((-t[..., 1::2], t[..., ::2]), dim=-1)
-    return pairs.flatten(start_dim=-2)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
