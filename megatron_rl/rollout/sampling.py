@@ -40,10 +40,15 @@ _CPU_BLOCK = 1 << 18
 _GPU_BLOCK = 1 << 24
 
 
+def _cuts_top_k(top_k: int, vocab: int) -> bool:
+    """Whether a top-k of ``top_k`` removes any of ``vocab`` tokens (0: no top-k)."""
+    return bool(top_k) and top_k < vocab
+
+
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Set logits outside the top-k and the top-p nucleus to -inf. logits: [b, V] (already tempered)."""
     out = logits
-    if top_k and top_k < logits.shape[-1]:
+    if _cuts_top_k(top_k, logits.shape[-1]):
         kth = torch.topk(out, top_k, dim=-1).values[..., -1:]
         out = out.masked_fill(out < kth, float("-inf"))
     if top_p < 1.0:
@@ -62,7 +67,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
                   streams: Optional["RowStreams"] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row of logits [b, V]; return (token ids [b], logprobs [b]). Rows with a
     stream (``streams``) draw from it, the others from ``generator``."""
-    if streams is None and not (top_k and top_k < logits.shape[-1]) and top_p >= 1.0:
+    if streams is None and not _cuts_top_k(top_k, logits.shape[-1]) and top_p >= 1.0:
         # The common case (no filter, no per-request streams): one pass of kernels on the raw logits.
         return draw_tempered(logits, exponential_noise(logits, generator), temperature)
     tempered = logits.float() / temperature
