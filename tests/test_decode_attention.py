@@ -80,10 +80,7 @@ def test_triton_kernels_compute_the_reference(rows, slots):
 _INTERPRETED_CASES = r"""
 import torch
 from megatron_rl.models import decode_attention as da
-
-def plain(q, key, value, masked, scale):
-    scores = torch.matmul(q.double(), key.double().transpose(-1, -2)) * scale
-    return torch.matmul(torch.softmax(scores.masked_fill(masked, float("-inf")), -1), value.double())
+from test_decode_attention import _plain as plain
 
 torch.manual_seed(0)
 for rows, groups, per_group, slots, dim, dtype, tol in [(3, 2, 6, 200, 64, torch.float32, 1e-5),
@@ -110,7 +107,8 @@ def test_triton_kernels_through_the_interpreter():
         if os.environ.get("MEGATRON_RL_REQUIRE_TRITON") == "1":
             pytest.fail("triton is not installed in this venv (MEGATRON_RL_REQUIRE_TRITON=1)")
         pytest.skip("triton is not installed (the vLLM test phase's venv has it)")
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    # The repository (megatron_rl) and tests/ (this module's plain attention) on the path.
+    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED_CASES], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
