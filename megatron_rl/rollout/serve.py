@@ -144,6 +144,9 @@ class EngineServer:
         except Exception as err:  # noqa: BLE001 - the client raises it
             logger.exception("%s failed", name)
             error = f"{name} failed in the engine: {err!r}"
+            # Posted before the reply (which flushes it first): a caller that sees the error
+            # can already tell a dead engine from a failed call.
+            self.report_failure()
         finally:
             self.tasks.pop(f"call-{call_id}", None)
         self.reply(("reply", call_id, error, self.engine.stats, result))

@@ -1,0 +1,83 @@
+"""The client/server protocol (serve.py, client.py) over a real pipe: when a call the server runs
+itself fails because the engine behind it died, the client knows the engine is gone by the time
+the call's error reaches its caller (the trainer tells 'engine gone' from 'call failed' by that)."""
+
+import asyncio
+import threading
+from multiprocessing import Pipe
+from typing import Optional
+
+import pytest
+
+from megatron_rl.rollout.client import EngineClient
+from megatron_rl.rollout.embedded.engine import EngineStats
+from megatron_rl.rollout.engine import EngineError, RolloutEngine
+from megatron_rl.rollout.serve import EngineServer
+
+DEATH = "engine core is dead (exit code -9)"
+
+
+class DiesDuringReceive(RolloutEngine):
+    """An engine whose core dies while a weight receive runs: the receive fails with the reason,
+    which ``failure`` reports from then on (as the vLLM engine does). Nothing else is called."""
+
+    def __init__(self) -> None:
+        self.stats = EngineStats()
+        self._failure: Optional[str] = None
+
+    @property
+    def failure(self) -> Optional[str]:
+        return self._failure
+
+    async def receive_weights(self, version: int) -> float:
+        await asyncio.sleep(0.01)
+        self._failure = DEATH
+        raise EngineError(DEATH)
+
+    def generate(self, request_id, prompt_ids, params):
+        raise AssertionError("not used")
+
+    async def abort(self, request_ids=None) -> None:
+        pass
+
+    async def pause(self, mode: str = "keep") -> None:
+        raise AssertionError("not used")
+
+    async def resume(self) -> None:
+        raise AssertionError("not used")
+
+    async def update_weights(self, named_tensors, version: int) -> None:
+        raise AssertionError("not used")
+
+    def weight_version(self) -> int:
+        return 0
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def _serve(conn, engine: RolloutEngine) -> None:
+    """The server's side runs in a thread of its own with its own event loop (as on an engine rank)."""
+    server = EngineServer(conn, engine, extra={"receive_weights": engine.receive_weights})
+    threading.Thread(target=lambda: asyncio.run(server.run()), daemon=True).start()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_side_call_failing_on_a_dead_engine_reports_the_death_before_the_error():
+    client_end, server_end = Pipe()
+    _serve(server_end, DiesDuringReceive())
+    client = EngineClient(client_end, name="engine on rank 1", call_timeout_s=30)
+
+    async def main() -> str:
+        try:
+            await client._call("receive_weights", 1)
+        except EngineError as err:
+            # What the caller sees at that moment, not after the loop ran on.
+            return f"{client.failure}|{err}"
+        finally:
+            await client.shutdown()
+        raise AssertionError("the call succeeded")
+
+    seen_failure, error = asyncio.run(main()).split("|")
+    assert seen_failure == f"engine on rank 1 is gone ({DEATH})"
+    assert DEATH in error
