@@ -29,7 +29,7 @@ from .config.schema import RootConfig
 from .config.validate import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
-from .learner.group import LearnerGroup
+from .learner.group import LearnerGroup, LearnerRanksFailed
 from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
@@ -41,7 +41,7 @@ from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.agent import AgentError
 from .rollout.workflow import build_workflow
-from .rollout.engine import EngineError, RolloutEngine, whole_response
+from .rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
@@ -54,6 +54,10 @@ from .types import SamplingParams, Trajectory
 from .weights.transport import BroadcastTransport, ColocatedTransport, InProcessTransport
 
 logger = logging.getLogger(__name__)
+
+# How long a failed weight sync waits for an engine to report that it died (two health probes of
+# a vLLM engine) before it is taken for a failure of its own.
+ENGINE_REPORT_GRACE_S = 10.0
 
 
 def seed_everything(seed: int) -> None:
@@ -340,12 +344,14 @@ class Trainer:
             self.version = version
             try:
                 await self.sync_weights()
-            except EngineError:
-                self._raise_if_engine_gone()
+            except (EngineError, LearnerRanksFailed):
+                # The learners' side of a broadcast may fail first when an engine dies: its death,
+                # once reported, is the cause to name.
+                self._raise_if_engine_gone(await failure_within(self.engine, ENGINE_REPORT_GRACE_S))
                 raise
 
-    def _raise_if_engine_gone(self) -> None:
-        failure = getattr(self.engine, "failure", None)
+    def _raise_if_engine_gone(self, failure: Optional[str] = None) -> None:
+        failure = failure or getattr(self.engine, "failure", None)
         if failure:
             raise RolloutsStopped(f"the rollout engine is gone ({failure}); the prompts it held were "
                                   "returned to the queue and the run stopped. Its last words are in "

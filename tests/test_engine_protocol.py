@@ -1,9 +1,12 @@
 """The client/server protocol (serve.py, client.py) over a real pipe: when a call the server runs
 itself fails because the engine behind it died, the client knows the engine is gone by the time
-the call's error reaches its caller (the trainer tells 'engine gone' from 'call failed' by that)."""
+the call's error reaches its caller (the trainer tells 'engine gone' from 'call failed' by that);
+a failure noticed elsewhere first (the learners' side of a broadcast) waits a bounded time for the
+engine's report (``failure_within``)."""
 
 import asyncio
 import threading
+import time
 from multiprocessing import Pipe
 from typing import Optional
 
@@ -11,7 +14,7 @@ import pytest
 
 from megatron_rl.rollout.client import EngineClient
 from megatron_rl.rollout.embedded.engine import EngineStats
-from megatron_rl.rollout.engine import EngineError, RolloutEngine
+from megatron_rl.rollout.engine import EngineError, RolloutEngine, failure_within
 from megatron_rl.rollout.serve import EngineServer
 
 DEATH = "engine core is dead (exit code -9)"
@@ -81,3 +84,25 @@ def test_a_server_side_call_failing_on_a_dead_engine_reports_the_death_before_th
     seen_failure, error = asyncio.run(main()).split("|")
     assert seen_failure == f"engine on rank 1 is gone ({DEATH})"
     assert DEATH in error
+
+
+@pytest.mark.timeout(60)
+def test_failure_within_waits_for_a_late_report_of_the_engines_death_and_no_longer_than_told():
+    client_end, server_end = Pipe()
+    client = EngineClient(client_end, name="engine on rank 2")
+
+    async def main():
+        client._ensure_reader()
+        quiet = await failure_within(client, 0.3)  # nothing reported: None after the wait
+        # The engine's side reports its death 0.5 s from now, as a server does.
+        threading.Timer(0.5, server_end.send, args=(("batch", [("engine_failed", DEATH)]),)).start()
+        began = time.monotonic()
+        late = await failure_within(client, 30)
+        waited = time.monotonic() - began
+        await client.shutdown()
+        return quiet, late, waited
+
+    quiet, late, waited = asyncio.run(main())
+    assert quiet is None
+    assert late == f"engine on rank 2 is gone ({DEATH})"
+    assert 0.4 < waited < 10, waited

@@ -87,3 +87,16 @@ async def whole_response(stream: AsyncIterator[GenerationChunk]) -> GenerationCh
         if chunk.finish_reason is not None:
             finish = chunk.finish_reason
     return GenerationChunk(request_id, tokens, logprobs, versions, finish)
+
+
+async def failure_within(engine: RolloutEngine, seconds: float, poll_s: float = 0.05) -> Optional[str]:
+    """The engine's ``failure`` (why it is gone), waiting up to ``seconds`` for one to be reported.
+
+    For a failure whose cause is not yet known: a weight broadcast's sending side can fail (its
+    peer is gone) before the engine's rank has noticed, and reported, that its engine died."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while True:
+        failure = getattr(engine, "failure", None)
+        if failure or asyncio.get_running_loop().time() >= deadline:
+            return failure or None
+        await asyncio.sleep(poll_s)
