@@ -96,7 +96,7 @@ class EngineServer:
                 try:
                     stream = self.engine.generate(request_id, prompt_ids, params)
                 except Exception as err:  # noqa: BLE001 - the client raises it for this request
-                    self.outbox.post(("error", request_id, str(err)))
+                    self.post_error(("error", request_id, str(err)))
                     continue
                 self.tasks[request_id] = asyncio.create_task(self.stream(request_id, stream))
             elif message[0] == "generate_n":
@@ -104,7 +104,7 @@ class EngineServer:
                 try:
                     responses = self.engine.generate_n(request_ids, prompt_ids, params)
                 except Exception as err:  # noqa: BLE001 - the client raises it for this group
-                    self.outbox.post(("group_error", key, str(err)))
+                    self.post_error(("group_error", key, str(err)))
                     continue
                 self.tasks[f"group-{key}"] = asyncio.create_task(self.group(key, responses))
             elif message[0] == "abort":
@@ -156,8 +156,7 @@ class EngineServer:
             async for chunk in stream:
                 self.outbox.post(("chunk", request_id, chunk))
         except Exception as err:  # noqa: BLE001 - the client raises it for this request
-            self.outbox.post(("error", request_id, str(err)))
-            self.report_failure()
+            self.post_error(("error", request_id, str(err)))
         finally:
             self.tasks.pop(request_id, None)
 
@@ -165,10 +164,15 @@ class EngineServer:
         try:
             self.outbox.post(("group", key, await responses))
         except Exception as err:  # noqa: BLE001 - the client raises it for this group
-            self.outbox.post(("group_error", key, str(err)))
-            self.report_failure()
+            self.post_error(("group_error", key, str(err)))
         finally:
             self.tasks.pop(f"group-{key}", None)
+
+    def post_error(self, message: tuple) -> None:
+        """A request's or group's error, followed in the same batch by the engine's death if that
+        is why: the client records the death before the error's waiter runs."""
+        self.outbox.post(message)
+        self.report_failure()
 
     def report_failure(self) -> None:
         """Once the engine says it is gone (``failure``), tell the client: a failed request alone
