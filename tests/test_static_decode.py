@@ -5,6 +5,8 @@ CI has no GPU: the static step runs here without capture (same shapes, same devi
 same masked width and row buckets); capture itself is the only part left to the GPU benchmark.
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -54,13 +56,19 @@ def _script(model, static: bool):
 def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, monkeypatch, family, fused):
     """Widths of 8 slots: the script crosses several width buckets, runs 1..5 live rows in buckets
     of 8 (dead rows compute beside them), and slides the window (the width shrinks again).
-    Mixtures of experts and multi-latent attention keep the eager step. ``fused``: attention
-    through torch's fused kernels, as on a GPU."""
-    from megatron_rl.models.kv_attention import CachedKVAttention
+    Mixtures of experts and multi-latent attention keep the eager step. ``fused``: as on a GPU,
+    attention through torch's fused kernels and the static step's rotation and cache store as one
+    call (models/rope_store.py, its torch reference here)."""
+    from megatron_rl.models import kv_attention
+    from megatron_rl.models.kv_attention import CachedKVAttention, EngineSelfAttention
     from megatron_rl.rollout.embedded import decode_graphs
 
     monkeypatch.setattr(decode_graphs, "WIDTH_STEP", 8)
     monkeypatch.setattr(CachedKVAttention, "fused_on_cpu", fused)
+    monkeypatch.setattr(EngineSelfAttention, "rope_store_on_cpu", fused)
+    stores = []
+    reference = kv_attention.rope_store_reference
+    monkeypatch.setattr(kv_attention, "rope_store_reference", lambda *a: stores.append(1) or reference(*a))
     model = _model(family)
     if not decode_graphs.static_decode_supported(model.config):  # these keep the eager step
         from megatron_rl.models.gpt import model_device
@@ -71,7 +79,9 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
         assert gen._static is None
         return
     tokens, logprobs = _script(model, static=False)
+    assert not stores  # the eager step rotates and stores as before
     static_tokens, static_logprobs = _script(model, static=True)
+    assert bool(stores) == fused, len(stores)
     assert static_tokens == tokens
     gap = (static_logprobs - logprobs).abs().max().item()
     print(f"{family}: {len(tokens)} tokens, static vs eager decode: max logprob gap {gap:.2e}")
@@ -142,3 +152,22 @@ def test_a_failed_graph_capture_falls_back_to_the_eager_step(megatron_world, mon
     assert "decoding without CUDA graphs" in caplog.text
     assert fallback_tokens == tokens
     torch.testing.assert_close(fallback_logprobs, logprobs, atol=1e-5, rtol=0)
+
+
+def test_engine_adds_a_bias_in_the_matmul_without_grad(megatron_world):
+    """The engine's qwen2 query/key/value projection adds its bias in ``F.linear`` when no gradient
+    is recorded (one kernel fewer on a GPU), and computes what megatron-core's function computes,
+    which still runs with autograd on."""
+    model = _model("qwen2")
+    qkv = model.decoder.layers[0].self_attention.linear_qkv
+    megatron_linear = qkv._forward_impl.args[0]
+    calls = []
+    qkv._forward_impl = functools.partial(qkv._forward_impl.func,
+                                          lambda **kw: calls.append(1) or megatron_linear(**kw))
+    x = torch.randn(3, 2, model.config.hidden_size)
+    with torch.no_grad():
+        fast, _ = qkv(x)
+    assert not calls
+    slow, _ = qkv(x)
+    assert calls
+    torch.testing.assert_close(fast, slow.detach(), atol=1e-6, rtol=1e-6)

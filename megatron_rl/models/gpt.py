@@ -6,6 +6,7 @@ same code and their logprobs agree.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Dict, Optional
 
@@ -217,6 +218,8 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
     norms_in_model_dtype(model, config.params_dtype)
+    if kv_attention:
+        bias_in_matmul_without_grad(model)
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
     if cuda_available():
@@ -248,6 +251,25 @@ def _hidden_batch_major(module, args):
 def _logits_sequence_major_view(module, args, output):
     logits, bias = output
     return logits.transpose(0, 1), bias
+
+
+def bias_in_matmul_without_grad(model: torch.nn.Module) -> None:
+    """In the rollout engine's forwards (no autograd), a column-parallel layer with a bias (Qwen2's
+    query/key/value projection) adds it in the matmul's epilogue (``F.linear``) instead of in a
+    kernel of its own after it, as megatron-core's linear function does: one kernel fewer per
+    layer, and at 256 prompts of 512 tokens 20 ms of a 650 ms prefill's kernels on an H200. With
+    autograd on, or under sequence parallelism, megatron-core's function runs as before."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear) and module.bias is not None and not module.skip_bias_add:
+            module._forward_impl = functools.partial(_linear_without_grad, module._forward_impl)
+
+
+def _linear_without_grad(default, input, weight, bias=None, sequence_parallel=False, **kwargs):
+    if bias is None or sequence_parallel or torch.is_grad_enabled():
+        return default(input=input, weight=weight, bias=bias, sequence_parallel=sequence_parallel, **kwargs)
+    return F.linear(input, weight, bias)
 
 
 def norms_in_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:

@@ -39,7 +39,11 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from .compiled_rope import cos_sin
 from .decode_attention import decode_attention, supports, triton_available
+from .rope_store import fused_available as rope_store_available
+from .rope_store import rope_store, rope_store_reference
+from .rope_store import supports as rope_store_supports
 
 logger = logging.getLogger(__name__)
 
@@ -80,19 +84,28 @@ class EngineKVContext(StaticInferenceContext):
             self._slot_rotary = (table, table.index_select(0, self.static_slot))
         return self._slot_rotary[1]
 
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
-        """Store ``key`` (rotated) and ``value`` ([new slots, rows, groups, dim]) at the current
-        offsets; return the rows' keys and values up to the last new slot, [rows, groups, slots, dim]."""
+    def cache(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
+        """``layer``'s whole cache, [max rows, groups, slots, dim] keys and values (made on first
+        use, shaped after ``key`` and ``value``: [new slots, rows, groups, dim])."""
         if layer not in self.layers:
             shape = (self.max_batch_size, key.size(2), self.max_sequence_length, key.size(3))
             self.layers[layer] = (torch.zeros(shape, dtype=key.dtype, device=key.device),
                                   torch.zeros(shape, dtype=value.dtype, device=value.device))
-        keys, values = self.layers[layer]
+        return self.layers[layer]
+
+    def static_view(self, keys: torch.Tensor, values: torch.Tensor, rows: int) -> Cache:
+        """What a static step's attention reads: ``rows`` rows, ``static_width`` slots."""
+        return keys[:rows, :, : self.static_width], values[:rows, :, : self.static_width]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
+        """Store ``key`` (rotated) and ``value`` ([new slots, rows, groups, dim]) at the current
+        offsets; return the rows' keys and values up to the last new slot, [rows, groups, slots, dim]."""
+        keys, values = self.cache(layer, key, value)
         if self.static_slot is not None:
             rows = slice(0, key.size(1))
             keys[rows].index_copy_(2, self.static_slot, key.permute(1, 2, 0, 3))
             values[rows].index_copy_(2, self.static_slot, value.permute(1, 2, 0, 3))
-            return keys[rows, :, : self.static_width], values[rows, :, : self.static_width]
+            return self.static_view(keys, values, key.size(1))
         start, first = self.sequence_len_offset, self.batch_size_offset
         end, rows = start + key.size(0), slice(first, first + key.size(1))
         if end > self.max_sequence_length:
@@ -142,6 +155,11 @@ class EngineKVContext(StaticInferenceContext):
 class EngineSelfAttention(SelfAttention):
     """SelfAttention whose inference cache holds rotated keys (see the module docstring)."""
 
+    # A static decode step rotates and stores through models/rope_store.py's Triton kernel on a
+    # GPU; tests set this to run its torch reference on a CPU.
+    rope_store_on_cpu = False
+    rope_store_failed = False  # set by the first failure of the Triton kernel: torch ops from then on
+
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                         rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                                         sequence_len_offset=None, *, inference_params=None):
@@ -152,6 +170,8 @@ class EngineSelfAttention(SelfAttention):
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
             slot = inference_context.static_slot
+            if slot is not None and self._rope_store_applies(query, q_pos_emb, k_pos_emb):
+                return self._rope_and_store(inference_context, query, key, value, q_pos_emb)
             if slot is not None:  # one new token per row, at a slot held on the device
                 q_pos_emb = inference_context.slot_rotary(q_pos_emb)
                 k_pos_emb = inference_context.slot_rotary(k_pos_emb)
@@ -163,6 +183,36 @@ class EngineSelfAttention(SelfAttention):
             rotary_pos_emb = (q_pos_emb, None)  # forward rotates the query only
         key, value = inference_context.write(self.layer_number, key, value)
         return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
+
+    def _rope_store_applies(self, query: torch.Tensor, q_pos_emb, k_pos_emb) -> bool:
+        """Whether a static step's rotation and cache store can be one fused call
+        (models/rope_store.py): the query and key share one frequency table over whole heads, not
+        interleaved, no attention scaling folded into the rotation (YaRN), the kernel available
+        (or ``rope_store_on_cpu``)."""
+        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+
+        return (q_pos_emb is k_pos_emb and q_pos_emb.size(-1) == query.size(-1) and rope_store_supports(query.size(-1))
+                and not self.config.rotary_interleaved and not self.config.multi_latent_attention
+                and _yarn_get_concentration_factor_from_config(self.config) == 1.0
+                and (rope_store_available(query.device) or self.rope_store_on_cpu))
+
+    def _rope_and_store(self, context: EngineKVContext, query, key, value, freqs):
+        """The static step's query and key rotated and the key and value stored at the step's slot
+        in one call; the query comes back rotated (Megatron's forward then rotates nothing)."""
+        cos, sin = cos_sin(context.slot_rotary(freqs), 1.0, query.dtype)
+        keys, values = context.cache(self.layer_number, key, value)
+        args = (query[0], key[0], value[0], cos.reshape(-1), sin.reshape(-1), keys, values, context.static_slot)
+        rotated = None
+        if rope_store_available(query.device) and not EngineSelfAttention.rope_store_failed:
+            try:
+                rotated = rope_store(*args)
+            except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation
+                logger.warning("triton RoPE and cache store failed (%s); using torch's kernels", exc)
+                EngineSelfAttention.rope_store_failed = True
+        if rotated is None:  # the same arithmetic in torch ops
+            rotated = rope_store_reference(*args)
+        key, value = context.static_view(keys, values, key.size(1))
+        return rotated.unsqueeze(0), key, value, None, AttnMaskType.no_mask, None
 
 
 class CachedKVAttention(MegatronModule):

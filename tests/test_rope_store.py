@@ -1,0 +1,88 @@
+"""The static decode step's fused rotation and cache store (models/rope_store.py).
+
+On a CPU its torch reference equals megatron-core's RoPE followed by the cache writes (and the
+engine's static step through it samples what the eager step samples: tests/test_static_decode.py);
+the Triton kernel itself runs through Triton's interpreter where triton is installed
+(tests/triton_interpreter.py), and compiled on a GPU (skipped without CUDA: CI has no GPU).
+"""
+
+import pytest
+import torch
+from triton_interpreter import run_interpreted
+
+from megatron_rl.models import rope_store as rs
+
+
+def _case(rows: int, heads: int, groups: int, dim: int, slots: int, dtype, device="cpu", seed=0):
+    """Query, key and value as views of one fused projection (Megatron splits [rows, (heads +
+    2 * groups) * dim]), caches with more rows than the step, RoPE frequencies at one slot."""
+    gen = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(rows, heads + 2 * groups, dim, generator=gen).to(dtype)
+    query, key, value = mixed[:, :heads], mixed[:, heads:heads + groups], mixed[:, heads + groups:]
+    keys = torch.randn(rows + 2, groups, slots, dim, generator=gen).to(dtype)
+    values = torch.randn(rows + 2, groups, slots, dim, generator=gen).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    freqs = 37.0 * inv_freq
+    freqs = torch.cat((freqs, freqs))  # megatron-core's layout: [f, f] over the head
+    slot = torch.tensor([slots - 3])
+    return [t.to(device) for t in (query, key, value, freqs, keys, values, slot)]
+
+
+@pytest.mark.parametrize("dim", [8, 128])
+def test_reference_equals_megatron_rope_and_cache_writes(dim):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    query, key, value, freqs, keys, values, slot = _case(5, 6, 2, dim, 40, torch.float64)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    rotated = rs.rope_store_reference(query, key, value, cos, sin, keys, values, slot)
+
+    megatron = lambda t: _apply_rotary_pos_emb_bshd(t[None], freqs[None, None, None])[0]  # [seq, b, h, d]
+    expected_keys[:5, :, slot.item()] = megatron(key)
+    expected_values[:5, :, slot.item()] = value
+    torch.testing.assert_close(rotated, megatron(query), atol=1e-12, rtol=0)
+    assert rotated.is_contiguous()
+    torch.testing.assert_close(keys, expected_keys, atol=1e-12, rtol=0)
+    assert torch.equal(values, expected_values)  # values stored as they are; other rows and slots untouched
+
+
+def test_kernel_takes_power_of_two_head_dims():
+    assert rs.supports(128) and rs.supports(8) and rs.supports(256)
+    assert not rs.supports(96) and not rs.supports(4) and not rs.supports(80)
+
+
+@pytest.mark.skipif(not rs.fused_available(torch.device("cuda")), reason="needs a GPU with triton")
+@pytest.mark.parametrize("rows,dim", [(1, 128), (256, 128), (7, 64)])
+def test_triton_kernel_computes_the_reference(rows, dim):
+    query, key, value, freqs, keys, values, slot = _case(rows, 12, 2, dim, 300, torch.bfloat16, device="cuda")
+    cos, sin = torch.cos(freqs).bfloat16(), torch.sin(freqs).bfloat16()
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = rs.rope_store_reference(query, key, value, cos, sin, ref_keys, ref_values, slot)
+    out = rs.rope_store(query, key, value, cos, sin, keys, values, slot)
+    assert torch.equal(out, expected) and torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+
+
+# fp32 and fp16 (the interpreter's numpy has no bfloat16); head dims 8 and 128; query, key and value
+# strided views of one projection; caches with rows the step does not write.
+_INTERPRETED_CASES = r"""
+import torch
+from megatron_rl.models import rope_store as rs
+from test_rope_store import _case
+
+for rows, heads, groups, dim, dtype in [(3, 6, 2, 128, torch.float32), (2, 4, 4, 8, torch.float16),
+                                        (5, 12, 2, 64, torch.float32)]:
+    query, key, value, freqs, keys, values, slot = _case(rows, heads, groups, dim, 50, dtype)
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = rs.rope_store_reference(query, key, value, cos, sin, ref_keys, ref_values, slot)
+    out = rs.rope_store(query, key, value, cos, sin, keys, values, slot)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert (out.float() - expected.float()).abs().max() <= tol, (rows, dim, dtype)
+    assert (keys.float() - ref_keys.float()).abs().max() <= tol, (rows, dim, dtype)
+    assert torch.equal(values, ref_values), (rows, dim, dtype)
+print("interpreted rope_store ok")
+"""
+
+
+def test_triton_kernel_through_the_interpreter():
+    run_interpreted(_INTERPRETED_CASES, "interpreted rope_store ok")
