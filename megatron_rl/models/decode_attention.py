@@ -27,6 +27,10 @@ from typing import Tuple
 import torch
 
 BLOCK_SLOTS = 64  # slots per block of keys (one matrix product per block)
+# The split kernel's launch: warps per program and software-pipelined loads of key/value blocks
+# (tools/bench/decode_attention_gpu.py --configs compares choices).
+SPLIT_WARPS = 4
+SPLIT_STAGES = 2
 # Programs to aim for: a few per streaming multiprocessor, so that loads overlap (132 on an H200).
 TARGET_PROGRAMS = 4 * 132
 
@@ -180,7 +184,7 @@ def _kernels():
     class Kernels:
         @staticmethod
         def split(grid, *args, **meta):
-            split_kernel[grid](*args, **meta, num_warps=4, num_stages=2)
+            split_kernel[grid](*args, **meta, num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
 
         @staticmethod
         def combine(grid, *args, **meta):

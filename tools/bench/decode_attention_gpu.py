@@ -1,13 +1,16 @@
 """Benchmark: a decode step's attention on one GPU, the Triton kernel against torch's fused kernel.
 
     python tools/bench/decode_attention_gpu.py [--rows 64,256] [--slots 640,768] [--layers 28]
+        [--configs 64x4x2,128x4x3]
 
 Qwen2-1.5B's attention shape (2 key groups of 6 query heads, head dim 128, bf16). Per (rows,
 width): the new token at slot width - 68 (the slots after it masked, as in the engine's static
 width), ``--layers`` calls replayed from one CUDA graph; milliseconds per step for
 ``models/decode_attention.py``'s kernels and for ``scaled_dot_product_attention`` with the same
 additive mask, and the bandwidth each reaches on the bytes a step must read (keys and values of
-the seen slots). First, each kernel's largest error against float64 attention.
+the seen slots). First, each kernel's largest error against float64 attention. ``--configs``:
+Triton launch choices to compare, each BLOCKxWARPSxSTAGES (slots per key block, warps per
+program, pipelined loads), one column each; the module's defaults when not given.
 """
 
 from __future__ import annotations
@@ -51,22 +54,42 @@ def step_ms(fn, layers: int) -> float:
     return start.elapsed_time(end) / 10
 
 
+def triton_configs(spec: str, module) -> dict:
+    """{column name: (block, warps, stages)} from ``--configs``; the module's own when empty."""
+    default = (module.BLOCK_SLOTS, module.SPLIT_WARPS, module.SPLIT_STAGES)
+    if not spec:
+        return {"triton": default}
+    return {f"t{c}": tuple(int(x) for x in c.split("x")) for c in spec.split(",")}
+
+
+def with_config(config, fn):
+    """``fn`` run with decode_attention's launch constants set to ``config`` (block, warps, stages)."""
+    from megatron_rl.models import decode_attention as da
+
+    def run(*args):
+        da.BLOCK_SLOTS, da.SPLIT_WARPS, da.SPLIT_STAGES = config
+        return fn(*args)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="64,256")
     parser.add_argument("--slots", default="640,768")
     parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--configs", default="", help="Triton launch choices, BLOCKxWARPSxSTAGES,...")
     args = parser.parse_args()
+    from megatron_rl.models import decode_attention as da
     from megatron_rl.models.decode_attention import decode_attention, triton_available
 
     assert triton_available(), "needs a GPU and triton"
     rows_list = [int(r) for r in args.rows.split(",")]
     widths = [int(w) for w in args.slots.split(",")]
     cache = torch.randn(2, max(rows_list), GROUPS, max(widths) + 64, DIM, device="cuda", dtype=torch.bfloat16)
-    kernels = {
-        "triton": lambda q, k, v, b: decode_attention(q, k, v, b, SCALE),
-        "sdpa": lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=SCALE),
-    }
+    kernels = {name: with_config(config, lambda q, k, v, b: decode_attention(q, k, v, b, SCALE))
+               for name, config in triton_configs(args.configs, da).items()}
+    kernels["sdpa"] = lambda q, k, v, b: F.scaled_dot_product_attention(q, k, v, attn_mask=b, scale=SCALE)
     q, key, value, masked, bias = inputs(rows_list[0], widths[0], widths[0] - 68, cache)
     scores = torch.matmul(q.double(), key.double().transpose(-1, -2)) * SCALE
     exact = torch.matmul(torch.softmax(scores.masked_fill(masked, float("-inf")), -1), value.double())
