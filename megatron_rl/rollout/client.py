@@ -245,7 +245,9 @@ class EngineClient(RolloutEngine):
         while True:
             try:
                 message = self._conn.recv()
-            except (EOFError, OSError):
+            # TypeError: shutdown() closed this end while recv() waited on it (multiprocessing's
+            # connection then reads from a handle of None).
+            except (EOFError, OSError, TypeError):
                 if self._closing:
                     return
                 self._loop.call_soon_threadsafe(self._fail, self._exit_reason("its connection closed"))
