@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
@@ -189,8 +189,6 @@ class EngineSelfAttention(SelfAttention):
         (models/rope_store.py): the query and key share one frequency table over whole heads, not
         interleaved, no attention scaling folded into the rotation (YaRN), the kernel available
         (or ``rope_store_on_cpu``)."""
-        from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
-
         return (q_pos_emb is k_pos_emb and q_pos_emb.size(-1) == query.size(-1) and rope_store_supports(query.size(-1))
                 and not self.config.rotary_interleaved and not self.config.multi_latent_attention
                 and _yarn_get_concentration_factor_from_config(self.config) == 1.0

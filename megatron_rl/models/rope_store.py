@@ -22,6 +22,7 @@ import functools
 
 import torch
 
+from .compiled_rope import _rotate as megatron_rotation
 from .decode_attention import triton_available
 
 
@@ -32,10 +33,9 @@ def supports(head_dim: int) -> bool:
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    wide = torch.promote_types(t.dtype, torch.float32)  # fp32 at least, rounded once
-    x = t.to(wide)
-    x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos.to(wide) + torch.cat((-x2, x1), dim=-1) * sin.to(wide)).to(t.dtype)
+    """The compiled RoPE's rotation (not interleaved) in fp32 at least, rounded once."""
+    wide = torch.promote_types(t.dtype, torch.float32)
+    return megatron_rotation(t.to(wide), cos.to(wide), sin.to(wide), False).to(t.dtype)
 
 
 def rope_store_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
