@@ -31,6 +31,10 @@ class GenerationChunk:
     logprobs: List[float]
     versions: List[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    # Mixture-of-experts routing replay (models/routing.py): the experts each MoE layer chose for
+    # the positions the engine computed since the previous chunk, a [positions, moe_layers, top_k]
+    # uint8/int16 numpy array (255 / -1 where nothing was recorded); None when not recorded.
+    routed_experts: Optional[Any] = None
 
 
 @dataclass
@@ -62,6 +66,10 @@ class Trajectory:
     # to be updated (PPO's "old" policy) and under the frozen reference model (for KL).
     proximal_logprobs: Optional[List[float]] = None
     ref_logprobs: Optional[List[float]] = None
+    # Mixture-of-experts routing replay: the experts the engine chose in each MoE layer for every
+    # position of prompt + response, a [positions, moe_layers, top_k] uint8/int16 numpy array
+    # (255 / -1 where the engine computed nothing, e.g. the last response token); None if unrecorded.
+    routed_experts: Optional[Any] = None
 
     def __post_init__(self) -> None:
         if not self.loss_mask:

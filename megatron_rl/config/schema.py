@@ -67,6 +67,11 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.0
     # alltoall | allgather: how tokens travel to experts on other expert-parallel ranks.
     moe_token_dispatcher: str = "alltoall"
+    # true: a layer's local experts run as one grouped matmul per projection (torch._grouped_mm;
+    # bf16 on Hopper GPUs, any float dtype on CPU), routed on the device without host syncs when
+    # one rank holds all experts; false: megatron-core's SequentialMLP loop over experts. Same
+    # parameters and checkpoints either way.
+    moe_grouped_experts: bool = True
     # Router scores: softmax | sigmoid (DeepSeek-V3: sigmoid, a per-expert bias that only steers the
     # choice, experts chosen within the best moe_router_group_topk of moe_router_num_groups groups,
     # weights renormalised then scaled by moe_router_topk_scaling_factor).

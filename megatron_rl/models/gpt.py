@@ -60,8 +60,8 @@ def moe_kwargs(cfg: ModelConfig) -> Dict[str, Any]:
         moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         # Sigmoid routing (DeepSeek) scores in fp32, as the reference implementation does.
         moe_router_dtype="fp32" if cfg.moe_router_score_function == "sigmoid" else None,
-        # Grouped GEMM needs the CUDA grouped_gemm kernels; SequentialMLP (one MLP per local
-        # expert) is exact everywhere and keeps one plainly named weight per expert.
+        # megatron-core's GroupedMLP needs the grouped_gemm CUDA extension: the local spec keeps
+        # SequentialMLP's per-expert weights and models/grouped_moe.py runs them grouped.
         moe_grouped_gemm=False,
     )
 
@@ -154,10 +154,11 @@ def layer_spec(use_te: bool, qk_layernorm: bool = False):
     return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
 
 
-def decoder_spec(config, use_te: bool, kv_attention: bool = False):
+def decoder_spec(config, use_te: bool, kv_attention: bool = False, grouped_experts: bool = True):
     """The layer spec for a dense model; for MoE, a block spec with a dense or MoE spec per layer
     (``moe_layer_freq``), sliced to this pipeline stage's layers. ``kv_attention``: the rollout
-    engine's KV-cache attention (models/kv_attention.py) where the model's attention allows it."""
+    engine's KV-cache attention (models/kv_attention.py) where the model's attention allows it.
+    ``grouped_experts``: MoE layers run their experts as grouped matmuls (models/grouped_moe.py)."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     if not config.num_moe_experts and not config.multi_latent_attention:
@@ -172,6 +173,10 @@ def decoder_spec(config, use_te: bool, kv_attention: bool = False):
         use_fused_causal_attention(spec)
         if config.multi_latent_attention:
             use_local_mla_attention(spec)
+        if config.num_moe_experts and grouped_experts:
+            from .grouped_moe import use_grouped_experts
+
+            use_grouped_experts(spec)
     if kv_attention:
         from .kv_attention import supports_kv_attention, use_kv_attention
 
@@ -205,7 +210,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     config = transformer_config(cfg, tp, pp, ep, initialize, recompute)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_spec(config, use_te, kv_attention),
+        transformer_layer_spec=decoder_spec(config, use_te, kv_attention, cfg.moe_grouped_experts),
         vocab_size=vocab_size,
         max_sequence_length=cfg.max_position_embeddings,
         pre_process=pre_process,
@@ -230,6 +235,11 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
             use_compiled_rope()
             memoize_rotary_per_forward(model)
         model = model.cuda(torch.cuda.current_device())
+    if kv_attention and cfg.num_experts:
+        # The engine only runs forwards: its experts' weights stay stacked for the grouped matmuls.
+        from .grouped_moe import stack_expert_weights
+
+        stack_expert_weights(model)
     return model
 
 

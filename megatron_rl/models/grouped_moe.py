@@ -1,0 +1,255 @@
+"""Mixture-of-experts layers whose local experts run as one grouped matmul per projection.
+
+megatron-core's ``SequentialMLP`` loops over the local experts (128 launches of three small
+matmuls per layer for Qwen3-30B-A3B), and its ``GroupedMLP``/``TEGroupedMLP`` need the
+``grouped_gemm`` CUDA extension or TransformerEngine. ``torch._grouped_mm`` multiplies every
+expert's rows by that expert's weight in one kernel (CUTLASS on sm90, a reference loop on CPU),
+with the group boundaries as a device tensor, so nothing waits for the host.
+
+- ``GroupedExperts`` is a ``SequentialMLP`` (same per-expert parameters, state dicts, checkpoint
+  layout, Hugging Face names) whose forward stacks the local experts' weights and runs the two
+  grouped matmuls. Under megatron-core's token dispatchers (expert or tensor parallelism) it is a
+  drop-in replacement for the loop.
+- ``GroupedMoELayer`` is a ``MoELayer`` that, with one expert-parallel and one tensor-parallel
+  rank, routes, sorts tokens by expert and combines their outputs on the device with static
+  shapes (every token has exactly top-k rows): no ``.cpu()``, no ``.tolist()``, so the rollout
+  engine's decode step can be captured in a CUDA graph. It can also keep each forward's chosen
+  experts (``record_choices``) for routing replay (models/routing.py).
+- ``stack_expert_weights`` (rollout engine only) makes each layer's per-expert weights views of
+  one stacked tensor, so decode steps read them in place instead of stacking them every step.
+  The learner stacks per forward (a copy of the local experts' weights: Megatron's data-parallel
+  wrapper moves parameters into its own buffers, which would break such views).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+# Expert ids fit one byte below this many experts (255 marks "unrecorded"); more need two.
+_BYTE_EXPERTS = 256
+
+
+def choice_dtype(num_experts: int) -> torch.dtype:
+    """The compact integer type for recorded expert ids (8 bits below 256 experts: 255 marks "unrecorded")."""
+    return torch.uint8 if num_experts < _BYTE_EXPERTS else torch.int16
+
+
+def grouped_mm_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` runs for this dtype on this device: bf16 on Hopper or newer
+    GPUs; fp32/bf16/fp16 on CPU (a reference implementation there)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9
+    return False
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``out[rows of expert e] = x[rows of e] @ w[e].T`` for every local expert in one call.
+
+    ``x`` [rows, in] sorted by expert, ``w`` [experts, out, in] (nn.Linear's layout, stacked),
+    ``ends`` int32 [experts]: the cumulative row count after each expert. torch registers a
+    derivative for ``_grouped_mm`` too, but it fails on a non-contiguous incoming gradient (an
+    expanded ``sum()`` gradient, for one); the three products are spelled out here instead."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, ends)
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad, w, offs=ends)
+        if ctx.needs_input_grad[1]:
+            # Groups along the shared (row) dimension: grad_w[e] = grad[rows of e].T @ x[rows of e].
+            grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
+            # An expert with no rows gets a zero gradient (the kernel may leave it unwritten).
+            counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            grad_w = torch.where((counts > 0)[:, None, None], grad_w, 0)
+        return grad_x, grad_w, None
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of ``x`` times that expert's ``w[e].T`` (see ``_GroupedLinear``)."""
+    if grouped_mm_supported(x.dtype, x.device):
+        return _GroupedLinear.apply(x, w, ends)
+    # Exact fallback (fp32 on a GPU, say): one matmul per expert, split sizes from the host.
+    counts = torch.diff(ends, prepend=ends.new_zeros(1)).tolist()
+    parts = [chunk @ w[e].t() for e, chunk in enumerate(torch.split(x, counts))]
+    return torch.cat(parts) if parts else x.new_zeros(0, w.size(1))
+
+
+class GroupedExperts(SequentialMLP):
+    """The local experts of one MoE layer as grouped matmuls (same parameters as SequentialMLP)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Set by stack_expert_weights (engine): stacked [experts, out, in] tensors the per-expert
+        # weights are views of.
+        self.stacked: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def _grouped_supported(self) -> bool:
+        config = self.config
+        return (config.gated_linear_unit and config.activation_func is F.silu and not config.add_bias_linear
+                and not (config.fp8 or config.fp4) and config.moe_latent_size is None
+                and getattr(config, "activation_func_clamp_value", None) is None
+                and getattr(config, "glu_linear_offset", 0.0) == 0.0)
+
+    def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(fc1 [experts, 2·ffn, hidden], fc2 [experts, hidden, ffn]) of the local experts."""
+        if self.stacked is not None:
+            return self.stacked
+        fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
+        fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
+        return fc1, fc2
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """SequentialMLP's interface: rows sorted by local expert, ``tokens_per_expert`` counts
+        (on the host or the device)."""
+        if not self._grouped_supported() or self.config.moe_apply_probs_on_input:
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        x = permuted_local_hidden_states
+        # (a host tensor, or numpy where the CPU patches keep the alltoall's split sizes so)
+        ends = torch.as_tensor(tokens_per_expert).to(device=x.device).cumsum(0).to(torch.int32)
+        return self.compute(x, ends, permuted_probs), None
+
+    def compute(self, x: torch.Tensor, ends: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Expert outputs for rows ``x`` sorted by expert (``ends``: cumulative counts), each
+        row's SwiGLU output scaled by its routing probability before the down projection, as
+        megatron-core's MLP does for experts."""
+        fc1, fc2 = self.weights()
+        hidden = grouped_linear(x, fc1, ends)
+        hidden = self._swiglu_times_probs(hidden, probs)
+        return grouped_linear(hidden, fc2, ends)
+
+    def _swiglu_times_probs(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        if self.config.bias_activation_fusion:
+            # megatron-core's fused (compiled) kernel, as its MLP uses on a GPU.
+            from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+
+            return weighted_bias_swiglu_impl(hidden, None, probs.unsqueeze(-1), False)
+        gate, up = torch.chunk(hidden, 2, dim=-1)
+        out = F.silu(gate) * up
+        return (out * probs.unsqueeze(-1)).to(hidden.dtype)
+
+
+class GroupedMoELayer(MoELayer):
+    """An MoE layer that keeps routing, the sort by expert and the combine on the device when
+    no expert or tensor parallelism splits it (megatron-core's dispatchers otherwise)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Routing replay (models/routing.py): when set, each device-path forward keeps its chosen
+        # experts in ``choices`` ([tokens, top-k], ascending per token, compact ints; tokens in the
+        # router's order: [s, b] flattened sequence-major). Under CUDA-graph replay the tensor is
+        # the graph's static output: read it after each replay.
+        self.record_choices = False
+        self.choices: Optional[torch.Tensor] = None
+        # Position of this layer among the model's MoE layers (all pipeline stages); set by
+        # routing.number_moe_layers.
+        self.moe_index: Optional[int] = None
+
+    def on_device_path(self) -> bool:
+        config = self.config
+        return (self.ep_group.size() == 1 and self.tp_group.size() == 1
+                and getattr(self.experts, "tp_group", self.tp_group).size() == 1
+                and isinstance(self.experts, GroupedExperts) and self.experts._grouped_supported()
+                and not config.moe_apply_probs_on_input and not self.moe_layer_recompute
+                and not self.shared_expert_overlap and config.moe_latent_size is None
+                # Token dropping leaves rows with fewer than top-k experts: not a static shape.
+                and config.moe_expert_capacity_factor is None)
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        if intermediate_tensors is not None or not self.on_device_path():
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        shared_output = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        output = self.experts_on_device(hidden_states, probs, routing_map)
+        if shared_output is not None:
+            output = output + shared_output
+        return output, None
+
+    def experts_on_device(self, hidden_states: torch.Tensor, probs: torch.Tensor,
+                          routing_map: torch.Tensor) -> torch.Tensor:
+        """Every token's top-k expert outputs, weighted by its routing probabilities and summed,
+        from device tensors of fixed size (tokens · top-k rows)."""
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        k = self.config.moe_router_topk
+        # The k chosen experts of each token, ascending: exactly k entries of each map row are set.
+        choice = torch.topk(routing_map.to(torch.int32), k, dim=1, sorted=False).indices.sort(dim=1).values
+        if self.record_choices:
+            self.choices = choice.to(choice_dtype(self.config.num_moe_experts))
+        expert_of_row = choice.reshape(-1)
+        order = torch.argsort(expert_of_row, stable=True)  # rows grouped by expert, tokens in order
+        ends = routing_map.sum(dim=0, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        rows = x.index_select(0, order // k)
+        row_probs = probs.gather(1, choice).reshape(-1).index_select(0, order)
+        out = self.experts.compute(rows, ends, row_probs)
+        # Back to token-major order (a permutation: no two rows land on one place), then each
+        # token's k outputs summed in fp32.
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = out.index_select(0, inverse).view(-1, k, shape[-1])
+        return torch.sum(out, dim=1, dtype=torch.float32).to(hidden_states.dtype).view(shape)
+
+
+class _KnownMoELayer(logging.Filter):
+    """megatron-core's TransformerLayer recognises MoELayer by identity and warns "Unknown MLP
+    type" for a subclass; the process groups it then leaves out are the defaults MoELayer takes
+    anyway, so the warning says nothing here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+def use_grouped_experts(spec) -> None:
+    """Point a block spec's MoE layers at ``GroupedMoELayer`` with ``GroupedExperts`` (in place;
+    only layers built with megatron-core's local SequentialMLP change)."""
+    layer_logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+    if not any(isinstance(f, _KnownMoELayer) for f in layer_logger.filters):
+        layer_logger.addFilter(_KnownMoELayer())
+    for layer in getattr(spec, "layer_specs", None) or [spec]:
+        mlp = getattr(layer.submodules, "mlp", None)
+        if getattr(mlp, "module", None) is not MoELayer:
+            continue
+        experts = mlp.submodules.experts
+        if getattr(experts, "module", None) is SequentialMLP:
+            mlp.module = GroupedMoELayer
+            experts.module = GroupedExperts
+
+
+@torch.no_grad()
+def stack_expert_weights(model: torch.nn.Module) -> int:
+    """Make every GroupedExperts' per-expert weights views of two stacked tensors (for models that
+    only run forwards: the rollout engine). Weight loads copy into the parameters as before and
+    so land in the stacked tensors. Call after the model is on its device. Returns the number of
+    layers stacked."""
+    stacked = 0
+    for module in model.modules():
+        if not isinstance(module, GroupedExperts) or not module._grouped_supported():
+            continue
+        fc1, fc2 = module.weights()
+        fc1, fc2 = fc1.contiguous(), fc2.contiguous()
+        for e, expert in enumerate(module.local_experts):
+            expert.linear_fc1.weight.data = fc1[e]
+            expert.linear_fc2.weight.data = fc2[e]
+        module.stacked = (fc1, fc2)
+        stacked += 1
+    return stacked
