@@ -223,3 +223,37 @@ def test_grouped_experts_equal_sequential_mlp_at_ep2():
         assert seq_grads.keys() == grp_grads.keys()
         for name, grad in seq_grads.items():
             torch.testing.assert_close(grp_grads[name], grad, atol=TOL, rtol=0, msg=name)
+
+
+def test_replay_under_activation_recompute_gives_the_same_gradients(megatron_world):
+    """With full activation recompute the backward re-runs each layer's forward: the replayed
+    routing must be the same micro-batch's (two micro-batches, forwards before backwards, as a
+    pipeline's warm-up runs them), so the gradients equal those without recompute."""
+    from megatron_rl.learner.learner import forward_logits
+    from megatron_rl.models.gpt import build_gpt_model
+    from megatron_rl.models.routing import RoutingReplay
+
+    _, plain = _twin_models(num_layers=2)
+    torch.manual_seed(0)
+    recomputed = build_gpt_model(_cfg(True), vocab_size=VOCAB, recompute=True)
+    recomputed.load_state_dict(plain.state_dict())
+    gen = torch.Generator().manual_seed(9)
+    batches = [torch.randint(0, VOCAB, (2, 8), generator=gen) for _ in range(2)]
+    targets = [torch.randint(0, 4, (2, 16, 2), generator=gen).sort(-1).values.to(torch.uint8) for _ in range(2)]
+    targets = [torch.where(t[..., :1] == t[..., 1:], torch.stack([t[..., 0], (t[..., 0] + 1) % 4], -1), t)
+               for t in targets]  # two different experts per token
+
+    def grads(model):
+        model.train().zero_grad(set_to_none=True)
+        with RoutingReplay(model) as replay:
+            losses = []
+            for tokens, target in zip(batches, targets):
+                replay.set(target)
+                losses.append((forward_logits(model, tokens) * torch.linspace(-1, 1, 2 * 8 * VOCAB).view(2, 8, VOCAB)).sum())
+            for loss in losses:
+                loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    expected, got = grads(plain), grads(recomputed)
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, atol=TOL, rtol=0, msg=name)
