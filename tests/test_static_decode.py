@@ -185,3 +185,55 @@ def test_engine_adds_a_bias_in_the_matmul_without_grad(megatron_world):
     slow, _ = qkv(x)
     assert calls
     torch.testing.assert_close(fast, slow.detach(), atol=1e-6, rtol=1e-6)
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Records what, in a forward, would make a GPU wait for the host (and a CUDA graph fail or
+    go stale): values read on the host, and ops whose output size depends on tensor values."""
+
+    HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in self.HOST_READS or name in ("nonzero", "masked_select", "unique", "unique_consecutive"):
+            self.seen.append(name)
+        if name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor):
+            self.seen.append(name)
+        if name == "__getitem__" and _has_bool_index(args[1]):
+            self.seen.append("boolean index")
+        return func(*args, **kwargs)
+
+
+def _has_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_the_static_step_never_waits_for_the_host(megatron_world, family):
+    """The static decode step (what a CUDA graph captures) reads no value on the host and makes
+    no tensor whose size depends on values: for mixtures of experts the routing, the sort by
+    expert, the grouped matmuls and the combine stay on the device, routing recorded."""
+    from megatron_rl.models.gpt import model_device
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    model = _model(family)
+    gen = KVCachedGenerator(model, max_batch_size=8, max_seq_len=32, device=model_device(), static_decode=True)
+    assert gen._static is not None and gen.records_routing == bool(model.config.num_moe_experts)
+    gen.prefill([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8))
+    syncs = _HostSyncs()
+    with torch.no_grad(), syncs:
+        logits, choices = gen._static.step(gen._last, gen.offset)
+    assert logits.shape[0] == 2 and (choices is None) == (not model.config.num_moe_experts)
+    assert not syncs.seen, syncs.seen
+    # The detector sees what it looks for (megatron-core's SequentialMLP splits rows by counts
+    # read on the host; a boolean index sizes its output by the values).
+    with _HostSyncs() as check:
+        x = torch.arange(4.0)
+        x[x > 1], x.sum().item(), x.tolist()
+    assert check.seen == ["boolean index", "item", "tolist"], check.seen
