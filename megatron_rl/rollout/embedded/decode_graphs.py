@@ -28,11 +28,12 @@ Sampling stays outside the graph (it reads the engine's random generator and the
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from ...models.grouped_moe import GroupedMoELayer
+if TYPE_CHECKING:  # megatron-core is imported where a model is built, not with this module
+    from ...models.grouped_moe import GroupedMoELayer
 
 # Attention widths are multiples of this many slots: a step attends over at most this many
 # masked slots more than it needs, and a batch's life crosses one bucket per this many tokens.
@@ -62,7 +63,7 @@ class StaticDecoder:
     """Decode steps of static shape over ``context``'s cache, CUDA graphs when ``capture``."""
 
     def __init__(self, model: torch.nn.Module, context, key_padding: torch.Tensor, capture: bool,
-                 routed: Optional[List[GroupedMoELayer]] = None):
+                 routed: Optional[List["GroupedMoELayer"]] = None):
         """``routed``: MoE layers recording their choices (models/routing.py), whose choices each
         step returns beside the logits."""
         self.model = model
@@ -168,12 +169,14 @@ def static_decode_supported(model: torch.nn.Module) -> bool:
         return True
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    from ...models.grouped_moe import GroupedMoELayer
+
     moe = [m for m in model.modules() if isinstance(m, MoELayer)]
     return all(isinstance(m, GroupedMoELayer) and m.without_host_sync() for m in moe)
 
 
 def make_static_decoder(model: torch.nn.Module, context, key_padding: torch.Tensor, cuda_graphs: bool,
-                        eager: bool = False, routed: Optional[List[GroupedMoELayer]] = None) -> Optional[StaticDecoder]:
+                        eager: bool = False, routed: Optional[List["GroupedMoELayer"]] = None) -> Optional[StaticDecoder]:
     """The static-shape decoder for this model, or None where its step cannot be static (the
     eager step then runs): replaying CUDA graphs on a GPU when ``cuda_graphs``; run eagerly,
     anywhere, when ``eager`` (tests compare it with the eager step). ``routed``: MoE layers whose

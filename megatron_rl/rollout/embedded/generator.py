@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,6 +45,9 @@ from ...models.causal_attention import causal_mask
 from ...types import SamplingParams
 from ..sampling import RowStreams, Stream, join_streams, sample_tokens
 from .decode_graphs import CaptureFailed
+
+if TYPE_CHECKING:
+    from ...models.grouped_moe import GroupedMoELayer
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +144,7 @@ class KVCachedGenerator:
                                            routed=self._routed)
 
     @staticmethod
-    def _routed_layers(model: torch.nn.Module) -> list:
+    def _routed_layers(model: torch.nn.Module) -> List["GroupedMoELayer"]:
         """The model's MoE layers, set to keep their choices, when all of them can (the device
         path, models/grouped_moe.py); none for a dense model."""
         from ...models.routing import moe_layers, record_routing
