@@ -165,3 +165,36 @@ def test_routing_is_not_recorded_when_switched_off_or_dense(megatron_world):
     for engine in (off, dense):
         response = asyncio.run(run(engine))
         assert len(response.token_ids) == 4 and response.routed_experts is None
+
+
+@pytest.mark.parametrize("static_decode", [False, True], ids=["eager", "static"])
+def test_routing_of_a_row_decoded_across_window_slides(megatron_world, monkeypatch, static_decode):
+    """A row that joins late and decodes while the cache window slides left under it (its
+    entries moved, keys rotated back): its routing, from admission and each decode step, is
+    still a plain forward's."""
+    from megatron_rl.models.gpt import build_gpt_model, model_device
+    from megatron_rl.rollout.embedded import decode_graphs
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    monkeypatch.setattr(decode_graphs, "WIDTH_STEP", 8)
+    cfg = ModelConfig(**MOE)
+    model = build_gpt_model(cfg, VOCAB, kv_attention=True).eval()
+    _randomize(model, seed=1)
+    gen = KVCachedGenerator(model, max_batch_size=12, max_seq_len=64, device=model_device(), seed=0,
+                            static_decode=static_decode)
+    params = SamplingParams(max_new_tokens=60)
+    gen.prefill([[1, 2, 3, 4]] * 10, params)
+    for _ in range(30):
+        gen.decode(params)
+    prompt = [5, 6, 7, 8, 9]
+    joined = gen.admit([], [prompt], params)  # the early rows leave; this one joins at slot 29
+    tokens, routing = list(joined[0]), [joined.routing[0]]
+    for _ in range(24):
+        step = gen.decode(params)
+        tokens.append(step[0][0])
+        routing.append(step.routing[0])
+    assert gen.slides >= 1
+    routing = np.concatenate(routing)
+    ids = prompt + tokens
+    assert routing.shape == (len(ids) - 1, 3, 2)
+    np.testing.assert_array_equal(routing, _plain_routing(cfg, model.state_dict(), ids)[: len(ids) - 1])
