@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 class Sampled(tuple):
     """``(tokens, logprobs)`` of one model call, one per row, as lists; ``routing``: when routing
     is recorded, per row a [positions, moe layers, top_k] numpy array, the experts each MoE layer
