@@ -8,6 +8,7 @@ import torch
 from megatron_rl.config.schema import RootConfig
 from megatron_rl.learner.learner import Learner
 from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.engine import whole_response
 from megatron_rl.types import SamplingParams, Trajectory
 
 from megatron_rl.data.datasets import Prompt
@@ -281,3 +282,47 @@ def test_a_groups_shared_prompt_is_prefilled_once(megatron_world):
     gap = _gap(learner, trajs, lambda v: True)
     print(f"shared prompts: prefill forwards {forwards}, {stats}, gap {gap:.2e}")
     assert gap <= 1e-5, gap
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_engine_and_learner_logprobs_agree_for_moe(megatron_world, family):
+    """Every mixture-of-experts family (Qwen2-MoE's gated shared expert, Qwen3-MoE's dense first
+    layer, Mixtral, DeepSeek-V3's sigmoid group routing with multi-latent attention): the engine's
+    logprobs (grouped experts routed on the device, a static MoE decode step where the attention
+    allows, routing recorded) equal the learner's for the same weights, and the engine returns
+    the routing of every position it computed."""
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = {**hf_config(family).to_dict(), "architectures": [get_family(family).architecture]}
+    cfg = RootConfig()
+    cfg.model, vocab = model_config_from_hf(hf)
+    learner = Learner(cfg, vocab_size=vocab)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # off Megatron's near-zero init, so routing is far from ties
+        for p in learner.model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen).to(p.device))
+
+    async def run():
+        engine = EmbeddedEngine(cfg.model, vocab, seed=3)
+        await engine.pause()
+        await engine.update_weights(learner.export_hf_weights(), version=1)
+        await engine.resume()
+        prompts = [[(7 * i + j) % 90 + 1 for j in range(2 + 3 * i)] for i in range(6)] + [[4, 5, 6]] * 2
+        trajs = await generate_all(engine, prompts, SamplingParams(max_new_tokens=16))
+        responses = [await whole_response(engine.generate("routed", prompts[1], SamplingParams(max_new_tokens=5)))]
+        await engine.shutdown()
+        return trajs, responses
+
+    trajs, (routed,) = asyncio.run(run())
+    assert sum(len(t.response_ids) for t in trajs) == 8 * 16
+    assert routed.routed_experts.shape == (len(trajs[1].prompt_ids) + 5 - 1, num_moe_layers_of(cfg.model),
+                                           cfg.model.moe_router_topk)
+    gap = _gap(learner, trajs, lambda v: True)
+    print(f"{family}: max |engine - learner| logprob gap {gap:.2e}")
+    assert gap <= 1e-5, gap
+
+
+def num_moe_layers_of(model_cfg) -> int:
+    pattern = model_cfg.moe_layer_pattern
+    return sum(pattern) if pattern is not None else model_cfg.num_layers

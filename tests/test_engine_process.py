@@ -159,3 +159,24 @@ def test_later_weight_updates_reuse_the_shared_buffers_and_arrive_whole(megatron
         assert all(t.versions == [version] * len(t.response_ids) for t in trajs)
         gap = max(abs(a - b) for t, row in zip(trajs, ours) for a, b in zip(t.logprobs, row))
         assert gap <= 1e-5, (version, gap)
+
+
+def test_a_child_process_moe_engine_returns_routing(megatron_world):
+    """A mixture of experts in a child process: its routing crosses the pipe, whole responses
+    (a group, one message) and streamed chunks alike."""
+    from megatron_rl.config.schema import ModelConfig
+    from megatron_rl.rollout.engine import whole_response
+
+    model = ModelConfig(family="qwen3_moe", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        ffn_hidden_size=48, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)
+
+    async def run():
+        engine = EngineProcess(model, VOCAB, seed=2)
+        group = await engine.generate_n(["a", "b"], [1, 2, 3, 4], SamplingParams(max_new_tokens=6, stream=False))
+        streamed = await whole_response(engine.generate("c", [5, 6], SamplingParams(max_new_tokens=5)))
+        await engine.shutdown()
+        return group + [streamed]
+
+    on = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert [r.routed_experts.shape for r in on] == [(4 + 6 - 1, 2, 2)] * 2 + [(2 + 5 - 1, 2, 2)]
+    assert all(r.routed_experts.dtype.name == "uint8" and r.routed_experts.max() < 4 for r in on)

@@ -10,12 +10,14 @@ import time
 from multiprocessing import Pipe
 from typing import Optional
 
+import numpy as np
 import pytest
 
 from megatron_rl.rollout.client import EngineClient
 from megatron_rl.rollout.embedded.engine import EngineStats
-from megatron_rl.rollout.engine import EngineError, RolloutEngine, failure_within
+from megatron_rl.rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
 from megatron_rl.rollout.serve import EngineServer
+from megatron_rl.types import GenerationChunk, SamplingParams
 
 DEATH = "engine core is dead (exit code -9)"
 
@@ -106,3 +108,37 @@ def test_failure_within_waits_for_a_late_report_of_the_engines_death_and_no_long
     assert quiet is None
     assert late == f"engine on rank 2 is gone ({DEATH})"
     assert 0.4 < waited < 10, waited
+
+
+class RoutesTwoChunks(DiesDuringReceive):
+    """An engine answering every request with two chunks that carry routing (numpy arrays)."""
+
+    ROUTING = [np.arange(12, dtype=np.uint8).reshape(3, 2, 2), np.full((2, 2, 2), 7, dtype=np.uint8)]
+
+    async def _chunks(self, request_id):
+        yield GenerationChunk(request_id, [1], [-0.5], [0], routed_experts=self.ROUTING[0])
+        yield GenerationChunk(request_id, [2, 3], [-0.1, -0.2], [0, 0], "stop", routed_experts=self.ROUTING[1])
+
+    def generate(self, request_id, prompt_ids, params):
+        return self._chunks(request_id)
+
+
+@pytest.mark.timeout(60)
+def test_routing_crosses_the_wire_and_whole_responses_join_it():
+    client_end, server_end = Pipe()
+    _serve(server_end, RoutesTwoChunks())
+    client = EngineClient(client_end, name="engine", call_timeout_s=30)
+
+    async def main():
+        try:
+            streamed = await whole_response(client.generate("a", [1, 2], SamplingParams()))
+            grouped = await client.generate_n(["b", "c"], [1, 2], SamplingParams())
+            return streamed, grouped
+        finally:
+            await client.shutdown()
+
+    streamed, grouped = asyncio.run(main())
+    expected = np.concatenate(RoutesTwoChunks.ROUTING)
+    for response in (streamed, *grouped):
+        assert response.token_ids == [1, 2, 3] and response.routed_experts.dtype == np.uint8
+        np.testing.assert_array_equal(response.routed_experts, expected)

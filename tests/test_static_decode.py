@@ -7,6 +7,7 @@ same masked width and row buckets); capture itself is the only part left to the 
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -48,7 +49,15 @@ def _script(model, static: bool):
     out += [gen.decode(params) for _ in range(24)]
     assert gen.slides >= 1
     tokens = [t for step, _ in out for t in step]
-    return tokens, torch.tensor([lp for _, step in out for lp in step])
+    return tokens, torch.tensor([lp for _, step in out for lp in step]), _routing(out)
+
+
+def _routing(out):
+    """Every call's routing, row by row (None for a dense model)."""
+    if out[0].routing is None:
+        assert all(step.routing is None for step in out)
+        return None
+    return [row for step in out for row in step.routing]
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["matmul", "fused"])
@@ -56,7 +65,8 @@ def _script(model, static: bool):
 def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, monkeypatch, family, fused):
     """Widths of 8 slots: the script crosses several width buckets, runs 1..5 live rows in buckets
     of 8 (dead rows compute beside them), and slides the window (the width shrinks again).
-    Mixtures of experts and multi-latent attention keep the eager step. ``fused``: as on a GPU,
+    Mixtures of experts run theirs too (routing, sort by expert and combine on the device; the
+    routing each step records is the eager step's); multi-latent attention keeps the eager step. ``fused``: as on a GPU,
     attention through torch's fused kernels and the static step's rotation and cache store as one
     call (models/rope_store.py, its torch reference here)."""
     from megatron_rl.models import kv_attention
@@ -70,19 +80,23 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
     reference = kv_attention.rope_store_reference
     monkeypatch.setattr(kv_attention, "rope_store_reference", lambda *a: stores.append(1) or reference(*a))
     model = _model(family)
-    if not decode_graphs.static_decode_supported(model.config):  # these keep the eager step
+    if not decode_graphs.static_decode_supported(model):  # these keep the eager step
         from megatron_rl.models.gpt import model_device
         from megatron_rl.rollout.embedded.generator import KVCachedGenerator
 
-        assert model.config.num_moe_experts or model.config.multi_latent_attention
+        assert model.config.multi_latent_attention
         gen = KVCachedGenerator(model, 4, 16, model_device(), static_decode=True)
         assert gen._static is None
         return
-    tokens, logprobs = _script(model, static=False)
+    tokens, logprobs, routing = _script(model, static=False)
     assert not stores  # the eager step rotates and stores as before
-    static_tokens, static_logprobs = _script(model, static=True)
+    static_tokens, static_logprobs, static_routing = _script(model, static=True)
     assert bool(stores) == fused, len(stores)
     assert static_tokens == tokens
+    assert (routing is None) == (not model.config.num_moe_experts)
+    if routing is not None:
+        assert len(static_routing) == len(routing)
+        assert all(np.array_equal(a, b) for a, b in zip(static_routing, routing))
     gap = (static_logprobs - logprobs).abs().max().item()
     print(f"{family}: {len(tokens)} tokens, static vs eager decode: max logprob gap {gap:.2e}")
     assert gap <= 1e-5, gap
@@ -107,7 +121,7 @@ def test_fused_attention_equals_the_matmul_path(megatron_world, monkeypatch):
     runs = []
     for fused in (False, True):
         monkeypatch.setattr(CachedKVAttention, "fused_on_cpu", fused)
-        runs.append(_script(model, static=False) + _uniform_prefill(model))
+        runs.append(_script(model, static=False)[:2] + _uniform_prefill(model))
     (tokens, logprobs, u_tokens, u_logprobs), (f_tokens, f_logprobs, fu_tokens, fu_logprobs) = runs
     assert f_tokens == tokens and fu_tokens == u_tokens
     gap = max((f_logprobs - logprobs).abs().max().item(), (fu_logprobs - u_logprobs).abs().max().item())
@@ -133,7 +147,7 @@ def test_a_failed_graph_capture_falls_back_to_the_eager_step(megatron_world, mon
     from megatron_rl.rollout.embedded import decode_graphs
 
     model = _model("qwen2")
-    tokens, logprobs = _script(model, static=False)
+    tokens, logprobs, _ = _script(model, static=False)
 
     def failing_record(self, rows, width):
         self._forward(rows, width)  # the warm-up ran: the step's cache slot is written
@@ -148,7 +162,7 @@ def test_a_failed_graph_capture_falls_back_to_the_eager_step(megatron_world, mon
     monkeypatch.setattr(decode_graphs.StaticDecoder, "__init__", capturing_init)
     monkeypatch.setattr(decode_graphs.StaticDecoder, "_record", failing_record)
     with caplog.at_level("WARNING"):
-        fallback_tokens, fallback_logprobs = _script(model, static=True)
+        fallback_tokens, fallback_logprobs, _ = _script(model, static=True)
     assert "decoding without CUDA graphs" in caplog.text
     assert fallback_tokens == tokens
     torch.testing.assert_close(fallback_logprobs, logprobs, atol=1e-5, rtol=0)
@@ -171,3 +185,55 @@ def test_engine_adds_a_bias_in_the_matmul_without_grad(megatron_world):
     slow, _ = qkv(x)
     assert calls
     torch.testing.assert_close(fast, slow.detach(), atol=1e-6, rtol=1e-6)
+
+
+class _HostSyncs(torch.overrides.TorchFunctionMode):
+    """Records what, in a forward, would make a GPU wait for the host (and a CUDA graph fail or
+    go stale): values read on the host, and ops whose output size depends on tensor values."""
+
+    HOST_READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        if name in self.HOST_READS or name in ("nonzero", "masked_select", "unique", "unique_consecutive"):
+            self.seen.append(name)
+        if name == "repeat_interleave" and kwargs.get("output_size") is None and isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor):
+            self.seen.append(name)
+        if name == "__getitem__" and _has_bool_index(args[1]):
+            self.seen.append("boolean index")
+        return func(*args, **kwargs)
+
+
+def _has_bool_index(index) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe", "qwen3_moe", "mixtral"])
+def test_the_static_step_never_waits_for_the_host(megatron_world, family):
+    """The static decode step (what a CUDA graph captures) reads no value on the host and makes
+    no tensor whose size depends on values: for mixtures of experts the routing, the sort by
+    expert, the grouped matmuls and the combine stay on the device, routing recorded."""
+    from megatron_rl.models.gpt import model_device
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    model = _model(family)
+    gen = KVCachedGenerator(model, max_batch_size=8, max_seq_len=32, device=model_device(), static_decode=True)
+    assert gen._static is not None and gen.records_routing == bool(model.config.num_moe_experts)
+    gen.prefill([[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8))
+    syncs = _HostSyncs()
+    with torch.no_grad(), syncs:
+        logits, choices = gen._static.step(gen._last, gen.offset)
+    assert logits.shape[0] == 2 and (choices is None) == (not model.config.num_moe_experts)
+    assert not syncs.seen, syncs.seen
+    # The detector sees what it looks for (megatron-core's SequentialMLP splits rows by counts
+    # read on the host; a boolean index sizes its output by the values).
+    with _HostSyncs() as check:
+        x = torch.arange(4.0)
+        x[x > 1], x.sum().item(), x.tolist()
+    assert check.seen == ["boolean index", "item", "tolist"], check.seen

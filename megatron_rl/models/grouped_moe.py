@@ -206,6 +206,21 @@ class GroupedMoELayer(MoELayer):
                 # Token dropping leaves rows with fewer than top-k experts: not a static shape.
                 and config.moe_expert_capacity_factor is None)
 
+    def without_host_sync(self) -> bool:
+        """Whether an inference forward (no autograd) never waits for the host, so a CUDA graph
+        can capture it: the device path, grouped matmuls that run on this dtype and device (the
+        fallback splits rows by counts read on the host), and a router whose no-grad forward only
+        does top-k arithmetic. megatron-core's TopKRouter under no_grad skips its aux and z
+        losses and the expert-bias token counter (all gated on grad mode), and its fp32 expert
+        bias is converted once, by the first forward, before any capture; input jitter, forced
+        load balancing, Sinkhorn, TransformerEngine's fused top-k and token dropping are left out."""
+        config = self.config
+        fc1 = self.experts.local_experts[0].linear_fc1.weight if self.experts.local_experts else None
+        return (self.on_device_path() and fc1 is not None and grouped_mm_supported(fc1.dtype, fc1.device)
+                and getattr(self.router, "routing_type", "none") != "sinkhorn"
+                and config.moe_input_jitter_eps is None and not config.moe_router_force_load_balancing
+                and not config.moe_router_fusion and not config.moe_enable_routing_replay)
+
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
                 padding_mask: Optional[torch.Tensor] = None):
         if intermediate_tensors is not None or not self.on_device_path():

@@ -77,16 +77,30 @@ class RolloutEngine(abc.ABC):
 
 
 async def whole_response(stream: AsyncIterator[GenerationChunk]) -> GenerationChunk:
-    """A request's chunks joined into one (``finish_reason`` "abort" if the stream stopped early)."""
-    request_id, tokens, logprobs, versions, finish = "", [], [], [], "abort"
+    """A request's chunks joined into one (``finish_reason`` "abort" if the stream stopped early),
+    their ``routed_experts`` too (concatenated in position order) where the engine records them."""
+    request_id, tokens, logprobs, versions, finish, routing = "", [], [], [], "abort", []
     async for chunk in stream:
         request_id = chunk.request_id
         tokens += chunk.token_ids
         logprobs += chunk.logprobs
         versions += chunk.versions
+        if chunk.routed_experts is not None:
+            routing.append(chunk.routed_experts)
         if chunk.finish_reason is not None:
             finish = chunk.finish_reason
-    return GenerationChunk(request_id, tokens, logprobs, versions, finish)
+    return GenerationChunk(request_id, tokens, logprobs, versions, finish, routed_experts=_joined(routing))
+
+
+def _joined(parts: list):
+    """Routing arrays of consecutive chunks as one (None when there are none)."""
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    import numpy as np
+
+    return np.concatenate(parts)
 
 
 async def failure_within(engine: RolloutEngine, seconds: float, poll_s: float = 0.05) -> Optional[str]:

@@ -14,8 +14,13 @@ the step here has static shapes:
 - the batch is rounded up to a bucket of rows; rows past the live ones compute on whatever their
   cache holds and are ignored (every row's attention and MLP read only that row).
 
+- mixture-of-experts layers route, sort tokens by expert and combine on the device, every token
+  with exactly top-k rows (models/grouped_moe.py: ``GroupedMoELayer.without_host_sync``).
+
 One graph is captured per (rows, slots) bucket on first use, all in one memory pool (graphs never
-run at once), all writing their logits into one buffer. Weight updates copy into the same
+run at once), all writing their logits into one buffer (and, when the engine records routing, every
+MoE layer's chosen experts into another: a graph's own tensors are overwritten by its next replay,
+and a layer's ``choices`` attribute points at the last captured graph's). Weight updates copy into the same
 parameter tensors, so graphs stay valid. On a CPU (``capture=False``) the same static-shape step
 runs eagerly: tests compare it with the eager step.
 Sampling stays outside the graph (it reads the engine's random generator and the rows' streams).
@@ -23,9 +28,12 @@ Sampling stays outside the graph (it reads the engine's random generator and the
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
+
+if TYPE_CHECKING:  # megatron-core is imported where a model is built, not with this module
+    from ...models.grouped_moe import GroupedMoELayer
 
 # Attention widths are multiples of this many slots: a step attends over at most this many
 # masked slots more than it needs, and a batch's life crosses one bucket per this many tokens.
@@ -54,8 +62,12 @@ class CaptureFailed(RuntimeError):
 class StaticDecoder:
     """Decode steps of static shape over ``context``'s cache, CUDA graphs when ``capture``."""
 
-    def __init__(self, model: torch.nn.Module, context, key_padding: torch.Tensor, capture: bool):
+    def __init__(self, model: torch.nn.Module, context, key_padding: torch.Tensor, capture: bool,
+                 routed: Optional[List["GroupedMoELayer"]] = None):
+        """``routed``: MoE layers recording their choices (models/routing.py), whose choices each
+        step returns beside the logits."""
         self.model = model
+        self.routed = routed or []
         self.context = context
         self.key_padding = key_padding  # the generator's [max_batch, cache_len] mask, never reallocated
         self.max_rows, self.cache_len = key_padding.shape
@@ -70,17 +82,22 @@ class StaticDecoder:
         # Every graph writes its logits here ([max_rows, V]): one buffer, not one per graph (each
         # [rows, V] of a 152k vocabulary; dozens of buckets would hold gigabytes).
         self.logits: Optional[torch.Tensor] = None
+        # Likewise the routed layers' choices, [max_rows, moe layers, top_k].
+        self.choices: Optional[torch.Tensor] = None
 
-    def step(self, last: torch.Tensor, offset: int) -> torch.Tensor:
+    def step(self, last: torch.Tensor, offset: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The next-token logits [rows, V] of rows whose last tokens are ``last`` ([rows]), written
-        to slot ``offset`` (the context's offset, which the caller advances)."""
+        to slot ``offset`` (the context's offset, which the caller advances), and with ``routed``
+        layers their choices [rows, layers, top_k] (else None). Under graphs both are the graphs'
+        buffers: read them before the next step's replay (stream order does, on a GPU)."""
         rows = last.size(0)
         bucket = (row_bucket(rows, self.max_rows), width_bucket(offset + 1, self.cache_len))
         self.tokens[:rows, 0].copy_(last)
         self.slot.fill_(offset)
         self.positions.fill_(offset)
         if not self.capture:
-            return self._forward(*bucket)[:rows]
+            logits, choices = self._forward(*bucket)
+            return logits[:rows], None if choices is None else choices[:rows]
         graph = self.graphs.get(bucket)
         if graph is None:
             try:
@@ -88,9 +105,9 @@ class StaticDecoder:
             except Exception as exc:  # noqa: BLE001 - e.g. an op that cannot be captured
                 raise CaptureFailed(f"capturing the decode step of bucket {bucket} failed: {exc}") from exc
         graph[0].replay()
-        return graph[1][:rows]
+        return self.logits[:rows], None if self.choices is None else self.choices[:rows]
 
-    def _forward(self, rows: int, width: int) -> torch.Tensor:
+    def _forward(self, rows: int, width: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         context = self.context
         slots = self.slot_ids[:width]
         # Slots after the new token are masked; the new token's own never is (a row past the live
@@ -99,7 +116,10 @@ class StaticDecoder:
         with context.static_step(self.slot, width):
             logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context,
                                 runtime_gather_output=True)
-        return logits[:, -1, :]
+        choices = None
+        if self.routed:  # one token per row: a layer's [rows, top_k] is already row-major
+            choices = torch.stack([layer.choices for layer in self.routed], dim=1)
+        return logits[:, -1, :], choices
 
     def _record(self, rows: int, width: int) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor]:
         """Capture one bucket's step. Warm-up runs first, on a side stream as capture needs (they
@@ -109,36 +129,62 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                warm = self._forward(rows, width)
+                warm, warm_choices = self._forward(rows, width)
         torch.cuda.current_stream().wait_stream(side)
         if self.logits is None:
             self.logits = torch.empty(self.max_rows, warm.size(-1), dtype=warm.dtype, device=warm.device)
+        if warm_choices is not None and self.choices is None:
+            self.choices = torch.empty((self.max_rows, *warm_choices.shape[1:]), dtype=warm_choices.dtype,
+                                       device=warm_choices.device)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the engine captures on its compute thread while a colocated learner may
         # be launching its own work on another.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self.logits[:rows].copy_(self._forward(rows, width))
+            logits, choices = self._forward(rows, width)
+            self.logits[:rows].copy_(logits)
+            if choices is not None:
+                self.choices[:rows].copy_(choices)
         return graph, self.logits[:rows]
 
 
-def static_decode_supported(config) -> bool:
-    """Whether the model's decode step has static shapes: dense layers with the engine's own KV
-    attention (models/kv_attention.py). Routing mixtures of experts sorts tokens by expert on the
-    host, and multi-latent attention keeps Megatron's cache path."""
+def static_decode_supported(model: torch.nn.Module) -> bool:
+    """Whether the model's decode step has static shapes: the engine's own KV attention
+    (models/kv_attention.py) and, in a mixture of experts, MoE layers that never wait for the
+    host (``GroupedMoELayer.without_host_sync``: at one expert- and tensor-parallel rank, grouped
+    matmuls that run on the weights' dtype and device, i.e. bf16 on Hopper, any float on a CPU).
+
+    Multi-latent attention (DeepSeek-V3) keeps Megatron's cache path, which is not static:
+    megatron-core's MultiLatentAttention slices its RoPE table and its cache ([slots, batch, ...])
+    by the Python offset ``sequence_len_offset``, reads every slot up to it (the width changes
+    each step) and takes a mask built for that width. A static MLA step needs the slot as a device
+    tensor in the query/key projection's RoPE lookup (megatron-core's
+    ``get_query_key_value_tensors``), a write at that slot and a bucketed read in the engine's
+    cache layout, as ``EngineSelfAttention`` does for the other attention: not written yet."""
     from ...models.kv_attention import supports_kv_attention
 
-    return config is not None and not config.num_moe_experts and supports_kv_attention(config)
+    config = getattr(model, "config", None)
+    if config is None or not supports_kv_attention(config):
+        return False
+    if not config.num_moe_experts:
+        return True
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from ...models.grouped_moe import GroupedMoELayer
+
+    moe = [m for m in model.modules() if isinstance(m, MoELayer)]
+    return all(isinstance(m, GroupedMoELayer) and m.without_host_sync() for m in moe)
 
 
 def make_static_decoder(model: torch.nn.Module, context, key_padding: torch.Tensor, cuda_graphs: bool,
-                        eager: bool = False) -> Optional[StaticDecoder]:
+                        eager: bool = False, routed: Optional[List["GroupedMoELayer"]] = None) -> Optional[StaticDecoder]:
     """The static-shape decoder for this model, or None where its step cannot be static (the
     eager step then runs): replaying CUDA graphs on a GPU when ``cuda_graphs``; run eagerly,
-    anywhere, when ``eager`` (tests compare it with the eager step)."""
-    if not static_decode_supported(getattr(model, "config", None)):
+    anywhere, when ``eager`` (tests compare it with the eager step). ``routed``: MoE layers whose
+    choices each step returns."""
+    if not static_decode_supported(model):
         return None
     if eager:
-        return StaticDecoder(model, context, key_padding, capture=False)
+        return StaticDecoder(model, context, key_padding, capture=False, routed=routed)
     if cuda_graphs and key_padding.device.type == "cuda":
-        return StaticDecoder(model, context, key_padding, capture=True)
+        return StaticDecoder(model, context, key_padding, capture=True, routed=routed)
     return None

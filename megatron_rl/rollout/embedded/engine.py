@@ -16,6 +16,12 @@ policy alone) or keep their cache entries (cheaper; the logprobs recorded are st
 of the distribution sampled from). A request with ``SamplingParams.seed`` set draws from its own
 random stream, keyed by (seed, request id) and positioned by its token count, so its tokens do not
 depend on the batch or the engine that serves it, and a re-prefill continues the stream.
+
+A mixture of experts records its routing (``record_routing``, on by default for MoE models): for
+every position the engine computes for a request, each MoE layer's chosen experts, returned on the
+request's chunks (``GenerationChunk.routed_experts``) for routing replay in the learner. A position
+keeps the routing of the forward that first computed it: re-prefilling a request (new weights, a
+rebuilt batch) computes its earlier positions again but does not change their record.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
+import numpy as np
 import torch
 
 from ...config.schema import ModelConfig, RolloutConfig
@@ -36,7 +43,7 @@ from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
 from ..sampling import Stream, request_key
-from .generator import KVCachedGenerator, PendingStep
+from .generator import KVCachedGenerator, PendingStep, Sampled
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +90,12 @@ class _Request:
     finish: Optional[str] = None
     emitted: int = 0
     closed: bool = False  # the final chunk was sent
+    # Routing of the positions computed so far (MoE models recording it): [positions, moe
+    # layers, top_k] arrays in position order; ``routed`` positions in all, the first
+    # ``routing_emitted`` arrays already sent in a chunk.
+    routing: List[np.ndarray] = field(default_factory=list)
+    routed: int = 0
+    routing_emitted: int = 0
     # Key of the request's random stream (None: unseeded, the engine's generator draws its tokens).
     key: Optional[int] = field(init=False, default=None)
 
@@ -108,6 +121,29 @@ class _Request:
     @property
     def remaining(self) -> int:
         return self.params.max_new_tokens - len(self.tokens)
+
+    def add_routing(self, computed: np.ndarray) -> None:
+        """The routing of this request's last ``len(computed)`` positions (those up to its
+        current length), as a forward just computed them; positions recorded before keep their
+        first record."""
+        first = self.length - len(computed)
+        if first > self.routed:
+            raise RuntimeError(f"request {self.request_id}: routing of positions {self.routed}..{first - 1} "
+                               "was never recorded")
+        new = computed[self.routed - first :]
+        if len(new):
+            self.routing.append(new)
+            self.routed += len(new)
+
+    def take_routing(self, whole: bool) -> Optional[np.ndarray]:
+        """The routing not yet sent (``whole``: all of it), one array; None when none is recorded."""
+        if not self.routing:
+            return None
+        parts = self.routing if whole else self.routing[self.routing_emitted :]
+        self.routing_emitted = len(self.routing)
+        if not parts:
+            return np.zeros((0, *self.routing[0].shape[1:]), dtype=self.routing[0].dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 @dataclass
@@ -137,21 +173,24 @@ def bind_thread_to_device(device: torch.device) -> None:
 def engine_options(rollout: RolloutConfig) -> Dict[str, bool]:
     """The ``rollout`` settings an embedded engine takes as keyword arguments, wherever it is built
     (in the trainer's process, in a process of its own, on an engine rank)."""
-    return dict(recompute_kv_on_update=rollout.recompute_kv_on_update, cuda_graphs=rollout.cuda_graphs)
+    return dict(recompute_kv_on_update=rollout.recompute_kv_on_update, cuda_graphs=rollout.cuda_graphs,
+                record_routing=rollout.record_routing)
 
 
 class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
-                 recompute_kv_on_update: bool = False, cuda_graphs: bool = True):
+                 recompute_kv_on_update: bool = False, cuda_graphs: bool = True, record_routing: bool = True):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
-        once (η = 0), so one thread team owns the CPU cores. By default the engine has its own."""
+        once (η = 0), so one thread team owns the CPU cores. By default the engine has its own.
+        ``record_routing``: a mixture of experts returns its routing on the chunks (see above)."""
         self.model_cfg = model_cfg
         self.model = build_gpt_model(model_cfg, vocab_size, kv_attention=True)
         self.model.eval()
         self.device = model_device()
         self._gen = KVCachedGenerator(self.model, max_batch_size, model_cfg.max_position_embeddings,
-                                      self.device, seed=seed, cuda_graphs=cuda_graphs)
+                                      self.device, seed=seed, cuda_graphs=cuda_graphs,
+                                      record_routing=record_routing)
         self._version = version
         self._recompute_kv_on_update = recompute_kv_on_update
         self._owns_executor = executor is None
@@ -403,10 +442,10 @@ class EmbeddedEngine(RolloutEngine):
         for sampled in steps or ():
             self._record_step(sampled)
 
-    def _record_step(self, sampled: Tuple[List[int], List[float]]) -> None:
+    def _record_step(self, sampled: Sampled) -> None:
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(self._rows)
-        self._record(self._batch, *sampled)
+        self._record(self._batch, sampled)
 
     def _settle(self) -> None:
         """Record the decode step left in flight by the last burst, if any. The event loop calls
@@ -416,7 +455,7 @@ class EmbeddedEngine(RolloutEngine):
             self._record_step(step.result())
 
     def _decode_burst(self, params: SamplingParams, live: List[Optional[Tuple[tuple, int]]], stop_at: int,
-                      budget: int) -> List[Tuple[List[int], List[float]]]:
+                      budget: int) -> List[Sampled]:
         """Compute thread: decode steps until ``budget`` steps ran or the event loop has work, i.e.
         every row finished, ``stop_at`` rows finished, a request arrived, a pause or an abort.
         ``live``: per batch row, (stop ids, remaining budget) or None once finished; the rows'
@@ -435,9 +474,9 @@ class EmbeddedEngine(RolloutEngine):
             ahead = None
             if self.decode_lookahead and room and budget > 1:
                 ahead = self._gen.decode_start(params)
-            tokens, logprobs = pending.result()
-            steps.append((tokens, logprobs))
-            finished += self._track_finishes(live, tokens)
+            step = pending.result()
+            steps.append(step)
+            finished += self._track_finishes(live, step[0])
             event = (finished >= min(stop_at, len(live)) or self._paused or self._aborted
                      or self._arrivals != arrivals)
             if event or len(steps) >= budget:
@@ -476,7 +515,7 @@ class EmbeddedEngine(RolloutEngine):
             return
         self._batch, self._kv_stale = rows, False
         self.stats.prefills += 1
-        self._record(rows, *sampled)
+        self._record(rows, sampled)
 
     async def _admit(self, running: List[_Request], joining: List[_Request]) -> None:
         self._settle()  # (a compaction: no request waits, so _step has not)
@@ -490,7 +529,7 @@ class EmbeddedEngine(RolloutEngine):
         self._batch = [self._batch[row] for row in keep] + joining
         if joining:
             self.stats.admissions += 1
-        self._record(joining, *sampled)
+        self._record(joining, sampled)
 
     def _take(self, joining: List[_Request]) -> None:
         for req in joining:
@@ -529,11 +568,16 @@ class EmbeddedEngine(RolloutEngine):
             remaining.append(req.remaining)
         return joining
 
-    def _record(self, rows: List[_Request], tokens: List[int], logprobs: List[float]) -> None:
-        """Append each row's sampled token (finished rows of the batch are ignored)."""
-        for req, tok, lp in zip(rows, tokens, logprobs):
+    def _record(self, rows: List[_Request], sampled: Sampled) -> None:
+        """Append each row's sampled token, and the routing of the positions the call computed
+        for it (finished rows of the batch are ignored)."""
+        tokens, logprobs = sampled
+        routing = sampled.routing
+        for row, (req, tok, lp) in enumerate(zip(rows, tokens, logprobs)):
             if req.finish is not None:
                 continue
+            if routing is not None:  # before the token: the call computed positions up to here
+                req.add_routing(routing[row])
             self.stats.tokens += 1
             req.tokens.append(tok)
             req.logprobs.append(lp)
@@ -559,7 +603,7 @@ class EmbeddedEngine(RolloutEngine):
             if req.finish is not None:
                 group, index = req.group
                 group.deliver(index, GenerationChunk(req.request_id, req.tokens, req.logprobs, req.versions,
-                                                     req.finish))
+                                                     req.finish, routed_experts=req.take_routing(whole=True)))
                 req.closed = True
                 self._running.pop(req.request_id, None)
             return
@@ -567,7 +611,8 @@ class EmbeddedEngine(RolloutEngine):
             return
         new = slice(req.emitted, len(req.tokens))
         req.queue.put_nowait(GenerationChunk(req.request_id, req.tokens[new], req.logprobs[new],
-                                             req.versions[new], req.finish))
+                                             req.versions[new], req.finish,
+                                             routed_experts=req.take_routing(whole=False)))
         req.emitted = len(req.tokens)
         if req.finish is not None:
             req.closed = True

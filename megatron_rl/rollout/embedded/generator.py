@@ -21,6 +21,12 @@ Rows aligned at their ends need ``longest sequence + largest remaining budget`` 
 is twice the model's context by default. Both prefill equal sequences once (a GRPO group's
 samples share their prompt) and copy the cache entries to the other rows.
 
+Mixture-of-experts models record routing (``record_routing``, on by default for them): every call
+also returns, per row, the experts each MoE layer chose for the positions that call computed for
+the row (``Sampled.routing``), copied to the host with the sampled tokens. A prefill or admission
+computes each sequence's positions (a duplicate gets its twin's), a decode step one position per
+row: the row's last token, fed back.
+
 Rows may carry random streams (``sampling.RowStreams``: a request key and the position of the
 row's next draw, given by the caller per sequence): those rows' draws depend on their stream and
 logits only. The streams move with the rows wherever the rows move (compaction, admission order).
@@ -29,8 +35,10 @@ logits only. The streams move with the rows wherever the rows move (compaction, 
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ...models.causal_attention import causal_mask
@@ -38,9 +46,39 @@ from ...types import SamplingParams
 from ..sampling import RowStreams, Stream, join_streams, sample_tokens
 from .decode_graphs import CaptureFailed
 
+if TYPE_CHECKING:
+    from ...models.grouped_moe import GroupedMoELayer
+
 logger = logging.getLogger(__name__)
 
-Sampled = Tuple[List[int], List[float]]
+
+class Sampled(tuple):
+    """``(tokens, logprobs)`` of one model call, one per row, as lists; ``routing``: when routing
+    is recorded, per row a [positions, moe layers, top_k] numpy array, the experts each MoE layer
+    chose for the positions this call computed for the row (the row's last ones), else None."""
+
+    routing: Optional[Sequence[np.ndarray]]
+
+    def __new__(cls, tokens: List[int], logprobs: List[float], routing: Optional[Sequence[np.ndarray]] = None):
+        sampled = super().__new__(cls, (tokens, logprobs))
+        sampled.routing = routing
+        return sampled
+
+
+@dataclass
+class PrefillRouting:
+    """One prefill forward's routing: the choices at each distinct sequence's real positions,
+    one sequence after another ([sum(lengths), layers, top_k], on the device), and for each
+    sequence the index of its distinct twin (``distinct``)."""
+
+    choices: torch.Tensor
+    lengths: List[int]
+    source: List[int]
+
+    def per_sequence(self, host: np.ndarray) -> List[np.ndarray]:
+        """``choices`` copied to the host, split into each sequence's [length, layers, top_k]."""
+        parts = np.split(host, np.cumsum(self.lengths)[:-1])
+        return [parts[i] for i in self.source]
 
 
 def length_groups(sorted_lengths: Sequence[int], max_groups: int = 4) -> List[List[int]]:
@@ -68,10 +106,11 @@ def distinct(sequences: Sequence[List[int]]) -> Tuple[List[List[int]], List[int]
 class KVCachedGenerator:
     def __init__(self, model: torch.nn.Module, max_batch_size: int, max_seq_len: int,
                  device: torch.device, seed: int = 0, pad_id: int = 0, cache_len: Optional[int] = None,
-                 cuda_graphs: bool = True, static_decode: bool = False):
+                 cuda_graphs: bool = True, static_decode: bool = False, record_routing: bool = True):
         """``cuda_graphs``: on a GPU, replay decode steps from CUDA graphs (decode_graphs.py) where
         the model allows. ``static_decode=True`` runs that static-shape step without graphs (on a
-        CPU too; tests compare it with the eager step)."""
+        CPU too; tests compare it with the eager step). ``record_routing``: a mixture of experts'
+        calls return their routing (``Sampled.routing``; no effect on a dense model)."""
         from ...models.kv_attention import EngineKVContext
         from .decode_graphs import make_static_decoder
 
@@ -99,7 +138,28 @@ class KVCachedGenerator:
         # own: its entries cannot be moved to other slots, so its window never slides (it grows
         # with the batch's age until a rebuild).
         self._can_slide = not getattr(config, "multi_latent_attention", False)
-        self._static = make_static_decoder(model, self.context, self._key_padding, cuda_graphs, eager=static_decode)
+        self._routed = self._routed_layers(model) if record_routing else []
+        self._static = make_static_decoder(model, self.context, self._key_padding, cuda_graphs, eager=static_decode,
+                                           routed=self._routed)
+
+    @staticmethod
+    def _routed_layers(model: torch.nn.Module) -> List["GroupedMoELayer"]:
+        """The model's MoE layers, set to keep their choices, when all of them can (the device
+        path, models/grouped_moe.py); none for a dense model."""
+        from ...models.routing import moe_layers, record_routing
+
+        layers = moe_layers(model)
+        if not layers or not all(layer.on_device_path() for layer in layers):
+            if getattr(getattr(model, "config", None), "num_moe_experts", None):
+                logger.warning("this mixture of experts cannot record its routing in the engine "
+                               "(MoE layers off the grouped device path)")
+            return []
+        record_routing(model)
+        return layers
+
+    @property
+    def records_routing(self) -> bool:
+        return bool(self._routed)
 
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
@@ -158,10 +218,29 @@ class KVCachedGenerator:
         if not uniform:
             mask = causal_mask(width, self.device) | self._key_padding[: len(unique), None, None, :width]
         logits = self._logits(tokens, 0, mask)
+        routing = self._prefill_routing(width, unique, source)
         self.context.sequence_len_offset += width
         self.context.enable_decode_mode()
         self._streams = RowStreams.build(streams, len(sequences), self.device)
-        return to_host(*self._sample(self._copy_duplicates(0, logits, source), params))
+        sampled = self._sample(self._copy_duplicates(0, logits, source), params)
+        if routing is None:
+            return to_host(*sampled)
+        tokens_and_logprobs = to_host(*sampled, routing.choices)
+        return Sampled(*tokens_and_logprobs, routing.per_sequence(tokens_and_logprobs.routing))
+
+    def _prefill_routing(self, width: int, unique: List[List[int]], source: List[int]) -> Optional[PrefillRouting]:
+        """The routing of the forward just run over ``unique`` right-aligned in ``width`` columns,
+        at their real positions (None when routing is not recorded)."""
+        if not self._routed:
+            return None
+        b = len(unique)
+        # Each layer's [s·b, top_k] is sequence-major: as [b, s, layers, top_k], rows one after another.
+        choices = torch.stack([layer.choices for layer in self._routed], dim=1)
+        choices = choices.view(width, b, *choices.shape[1:]).transpose(0, 1)
+        lengths = [len(seq) for seq in unique]
+        starts = width - torch.tensor(lengths, device=choices.device)
+        real = torch.arange(width, device=choices.device)[None, :] >= starts[:, None]
+        return PrefillRouting(choices[real], lengths, source)
 
     @torch.no_grad()
     def admit(self, keep: List[int], sequences: List[List[int]], params: SamplingParams,
@@ -185,7 +264,7 @@ class KVCachedGenerator:
         self._last = self._last[:n]
         self._streams = self._streams.select(keep) if self._streams is not None else None
         if not m:
-            return [], []
+            return Sampled([], [])
         if max(len(seq) for seq in sequences) > offset:
             raise ValueError(f"a sequence of {max(len(seq) for seq in sequences)} tokens cannot join at offset {offset}")
         order = sorted(range(m), key=lambda i: len(sequences[i]))
@@ -193,11 +272,14 @@ class KVCachedGenerator:
         logprobs = torch.empty(m, dtype=torch.float, device=self.device)
         incoming = RowStreams.build(streams, m, self.device)
         row = n
+        routed: List[Tuple[List[int], PrefillRouting]] = []
         for group in length_groups([len(sequences[i]) for i in order]):
             members = [order[i] for i in group]
             group_streams = incoming.select(members) if incoming is not None else None
-            sampled, lps = self._prefill_rows(row, [sequences[i] for i in members], params, group_streams)
+            sampled, lps, routing = self._prefill_rows(row, [sequences[i] for i in members], params, group_streams)
             new[members], logprobs[members] = sampled, lps
+            if routing is not None:
+                routed.append((members, routing))
             row += len(members)
         # The groups filled the rows in length order; put them in the caller's order.
         if order != sorted(order):
@@ -206,7 +288,10 @@ class KVCachedGenerator:
             self._move_rows(n, rank.to(self.device) + n)
         self._last = torch.cat([self._last, new])
         self._streams = join_streams(self._streams, n, incoming.advanced() if incoming is not None else None, m)
-        return to_host(new, logprobs)
+        if not routed:
+            return to_host(new, logprobs)
+        host = to_host(new, logprobs, torch.cat([routing.choices for _, routing in routed]))
+        return Sampled(*host, admitted_routing(host.routing, routed, m))
 
     def _move_rows(self, first: int, source: torch.Tensor) -> None:
         """Rows first.. become copies of rows ``source`` (cache entries and key padding)."""
@@ -214,9 +299,9 @@ class KVCachedGenerator:
         self._key_padding[first : first + len(source)] = self._key_padding[source]
 
     def _prefill_rows(self, first_row: int, sequences: List[List[int]], params: SamplingParams,
-                      streams: Optional[RowStreams]) -> Tuple[torch.Tensor, torch.Tensor]:
+                      streams: Optional[RowStreams]) -> Tuple[torch.Tensor, torch.Tensor, Optional[PrefillRouting]]:
         """Prefill ``sequences`` into rows ``first_row``.. so that they end at the current offset;
-        sample their next tokens (``streams``: theirs, in that order)."""
+        sample their next tokens (``streams``: theirs, in that order); their routing when recorded."""
         offset = self.offset
         width = max(len(seq) for seq in sequences)
         start = offset - width
@@ -233,8 +318,10 @@ class KVCachedGenerator:
             logits = self._logits(tokens, start, mask)
         finally:
             self.context.sequence_len_offset, self.context.batch_size_offset = offset, 0
+        routing = self._prefill_routing(width, unique, source)
         logits = self._copy_duplicates(first_row, logits, source)
-        return sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator, streams)
+        return (*sample_tokens(logits, params.temperature, params.top_k, params.top_p, self.generator, streams),
+                routing)
 
     def _copy_duplicates(self, first_row: int, logits: torch.Tensor, source: List[int]) -> torch.Tensor:
         """The distinct sequences were prefilled into rows first_row..; give every sequence its row
@@ -259,10 +346,10 @@ class KVCachedGenerator:
         position = self.context.sequence_len_offset
         if position >= self.cache_len:
             raise RuntimeError(f"KV cache of {self.cache_len} slots is full")
-        logits = None
+        logits = choices = None
         if self._static is not None:
             try:
-                logits = self._static.step(self._last, position)
+                logits, choices = self._static.step(self._last, position)
             except CaptureFailed as exc:
                 # Its warm-up wrote this step's cache slot; the eager step rewrites the same values.
                 logger.warning("%s; decoding without CUDA graphs from now on", exc)
@@ -270,8 +357,11 @@ class KVCachedGenerator:
         if logits is None:
             mask = self._key_padding[: self.rows, None, None, : position + 1]
             logits = self._logits(self._last.unsqueeze(1), position, mask)
+            if self._routed:  # one token per row: each layer's [rows, top_k] is row-major
+                choices = torch.stack([layer.choices for layer in self._routed], dim=1)
         self.context.sequence_len_offset += 1
-        return PendingStep(*self._sample(logits, params))
+        # One position per row: [rows, 1, layers, top_k].
+        return PendingStep(*self._sample(logits, params), None if choices is None else choices.unsqueeze(1))
 
     def _slide_window(self) -> None:
         """Move every row's entries left by the slots that no row uses any more.
@@ -318,23 +408,43 @@ class KVCachedGenerator:
 
 
 class PendingStep:
-    """A step's sampled tokens and logprobs, copied to the host without waiting; ``result()``
-    waits (once, for both) and returns them as lists."""
+    """A step's sampled tokens and logprobs (and routing, when recorded), copied to the host
+    without waiting; ``result()`` waits (once, for all) and returns them as lists (the routing
+    as a numpy array). The copies are queued right behind the step, so a step launched after
+    this one (look-ahead) cannot overwrite a graph's routing buffer before it is copied."""
 
-    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor):
+    def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, routing: Optional[torch.Tensor] = None):
         self._ready = None
         if tokens.is_cuda:  # into pinned host memory, behind the step's kernels
             tokens, logprobs = tokens.to("cpu", non_blocking=True), logprobs.to("cpu", non_blocking=True)
+            if routing is not None:
+                routing = routing.to("cpu", non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
-        self._tokens, self._logprobs = tokens, logprobs
+        self._tokens, self._logprobs, self._routing = tokens, logprobs, routing
 
     def result(self) -> Sampled:
         if self._ready is not None:
             self._ready.synchronize()
-        return self._tokens.tolist(), self._logprobs.tolist()
+        # A copy: rows' records outlive the step, and pinned buffers should go back to their pool.
+        routing = None if self._routing is None else np.array(self._routing.numpy())
+        return Sampled(self._tokens.tolist(), self._logprobs.tolist(), routing)
 
 
-def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> Sampled:
-    """Both as Python lists after one wait for the device (two ``.tolist()`` calls wait twice)."""
-    return PendingStep(tokens, logprobs).result()
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor, routing: Optional[torch.Tensor] = None) -> Sampled:
+    """All as host values after one wait for the device (two ``.tolist()`` calls wait twice)."""
+    return PendingStep(tokens, logprobs, routing).result()
+
+
+def admitted_routing(host: np.ndarray, routed: List[Tuple[List[int], PrefillRouting]], m: int) -> List[np.ndarray]:
+    """Each of ``m`` newcomers' routing, in the caller's order, from the length groups' routing
+    (``routed``: each group's members and its routing, in group order) copied to the host as one
+    array."""
+    out: List[Optional[np.ndarray]] = [None] * m
+    first = 0
+    for members, routing in routed:
+        size = sum(routing.lengths)
+        for member, part in zip(members, routing.per_sequence(host[first : first + size])):
+            out[member] = part
+        first += size
+    return out
