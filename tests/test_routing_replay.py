@@ -90,3 +90,162 @@ def test_turns_without_routing_give_none():
 
     [traj] = run_trajectories([Turn([1, 2], [3], [-1.0], [0], "stop")], "u", 0, reward=0.0)
     assert traj.routed_experts is None
+
+
+# ---------------------------------------------------------------- learner side
+def test_micro_batch_routing_is_in_the_routers_token_order():
+    """Row b's place s is token s·rows + b; padding, filler rows and unrecorded places are 255."""
+    from megatron_rl.learner.batch import build_micro_batches
+
+    trajs = [Trajectory("p", i, [1, 2], [3] * k, [-1.0] * k, [0] * k, "stop", routed_experts=_routing(2 + k, seed=i))
+             for i, k in enumerate([1, 3])]
+    trajs[0].routed_experts[-1] = 255  # the engine never computes a response's last token
+    [mb] = build_micro_batches(trajs, token_budget=100, equal_shape=True)
+    rows, s = mb.tokens.shape
+    assert mb.routing.shape == (LAYERS, s * rows, TOP_K) and mb.routing.dtype == torch.uint8
+    for b, traj in enumerate(trajs):
+        n = len(traj.prompt_ids) + len(traj.response_ids)
+        for place in range(s):
+            got = mb.routing[:, place * rows + b].numpy()
+            want = traj.routed_experts[place] if place < n else np.full((LAYERS, TOP_K), 255)
+            assert np.array_equal(got, want), (b, place)
+    dense = [Trajectory("p", 0, [1, 2], [3], [-1.0], [0], "stop")]
+    assert build_micro_batches(dense, token_budget=100)[0].routing is None  # nothing to carry, nothing built
+
+
+def test_shared_prompt_forward_takes_each_groups_prompt_routing_once():
+    from megatron_rl.learner.batch import build_shared_micro_batches
+
+    trajs = [Trajectory("p", i, [1, 2, 3], [4 + i] * k, [-1.0] * k, [0] * k, "stop",
+                        routed_experts=_routing(3 + k, seed=i)) for i, k in enumerate([2, 3])]
+    [mb] = build_shared_micro_batches(trajs, token_budget=100)
+    groups, s = mb.shared.tokens.shape
+    assert groups == 1 and mb.routing.shape == (LAYERS, s * groups, TOP_K)
+    # The shared row: the prompt (first sample's routing), then each response at its own positions.
+    want = np.concatenate([trajs[0].routed_experts[:3], trajs[0].routed_experts[3:], trajs[1].routed_experts[3:]])
+    assert np.array_equal(mb.routing[:, : len(want)].permute(1, 0, 2).numpy(), want)
+    assert (mb.routing[:, len(want):] == 255).all()
+
+
+def _engine_view(model, trajs):
+    """What the embedded engine returns for ``trajs`` when it runs ``model``: the response's
+    logprobs and the routing of every position but the last (recorded one sequence at a time)."""
+    from megatron_rl.learner.learner import forward_logits
+    from megatron_rl.learner.logprobs import token_logprobs
+    from megatron_rl.models.routing import record_routing, recorded_choices
+
+    record_routing(model)
+    logprobs, routed = [], []
+    with torch.no_grad():
+        for t in trajs:
+            full = torch.tensor([t.prompt_ids + t.response_ids])
+            p, n = len(t.prompt_ids), full.shape[1]
+            logits = forward_logits(model, full)
+            logprobs.append(token_logprobs(logits[0, p - 1 : n - 1], full[0, p:]).tolist())
+            choices = recorded_choices(model).permute(1, 0, 2).numpy().copy()  # [positions, layers, top_k]
+            choices[-1] = 255
+            routed.append(choices)
+    record_routing(model, False)
+    return logprobs, routed
+
+
+class _ExpertsUsed:
+    """Every forward of the learner's models: the micro-batch's recorded routing and the experts
+    each MoE layer used."""
+
+    def __init__(self, learner, models):
+        from megatron_rl.models.routing import moe_layers, record_routing
+
+        self.forwards = []
+        route = learner._route_as_recorded
+
+        def remember(mb):
+            self.forwards.append((mb.routing, {}))
+            route(mb)
+
+        learner._route_as_recorded = remember
+        for model in models:
+            record_routing(model)
+            for layer in moe_layers(model):
+                layer.register_forward_hook(
+                    lambda m, args, out: self.forwards[-1][1].__setitem__(m.moe_index, m.choices.clone()))
+
+    def check_and_reset(self) -> int:
+        """Assert every recorded choice was the one used; return how many tokens × layers were checked."""
+        checked = 0
+        for routing, used in self.forwards:
+            assert sorted(used) == list(range(LAYERS))
+            for index, choices in used.items():
+                target = routing[index]
+                known = target[:, 0] != 255
+                assert torch.equal(choices[known], target[known]), index
+                checked += int(known.sum())
+        self.forwards = []
+        return checked
+
+
+def _max_gap(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.mark.parametrize("perturb", ["router_weights", "choice_bias"])
+def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world, perturb):
+    """The engine's routing recorded, then the learner's router perturbed so that some of its own
+    choices differ (its weights; or, with DeepSeek-V3's sigmoid router, only the bias that steers
+    the choice): without replay ``moe/router_agreement`` < 1 and the logprob gap grows; with
+    replay every forward (proximal logprobs, the update, the reference model) uses exactly the
+    engine's experts per token and layer, and the gap returns to the unperturbed level (exactly,
+    when the perturbation moved only the choice)."""
+    from megatron_rl.learner.learner import Learner
+    from parallel_cases import VOCAB, batch, tiny_cfg
+
+    cfg = tiny_cfg(moe=True)
+    cfg.algo.routing_replay = "rollout"
+    cfg.algo.kl_coef = 0.01  # a reference model, replayed too
+    if perturb == "choice_bias":
+        cfg.model.moe_router_score_function, cfg.model.moe_router_expert_bias = "sigmoid", True
+    learner = Learner(cfg, VOCAB)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in learner.module.parameters():  # off Megatron's init: routers with clear preferences
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+    trajs = batch()
+    engine_logprobs, routed = _engine_view(learner.module, trajs)
+    for traj, lp, r in zip(trajs, engine_logprobs, routed):
+        traj.logprobs, traj.routed_experts = lp, r
+    recorded = sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs) * LAYERS
+    unperturbed_gap = _max_gap(learner.compute_logprobs(trajs, 1.0), engine_logprobs)
+    assert learner.routing_stats.pop_metrics()["moe/router_agreement"] == 1.0
+
+    with torch.no_grad():
+        for name, p in learner.module.named_parameters():
+            if perturb == "router_weights" and name.endswith("router.weight"):
+                p.add_(0.003 * torch.randn(p.shape, generator=gen))
+        for name, buf in learner.module.named_buffers():
+            if perturb == "choice_bias" and name.endswith("expert_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    learner.ref_model.load_state_dict(learner.module.state_dict())  # a reference that routes as the learner
+
+    learner.replay_routing = False
+    free_gap = _max_gap(learner.compute_logprobs(trajs, 1.0), engine_logprobs)
+    agreement = learner.routing_stats.pop_metrics()["moe/router_agreement"]
+    assert agreement < 1.0
+
+    learner.replay_routing = True
+    used = _ExpertsUsed(learner, [learner.module, learner.ref_model])
+    replayed_gap = _max_gap(learner.compute_logprobs(trajs, 1.0), engine_logprobs)
+    assert used.check_and_reset() == recorded
+    replayed_ref_gap = _max_gap(learner.compute_logprobs(trajs, 1.0, reference=True), engine_logprobs)
+    assert used.check_and_reset() == recorded
+    learner.force_proximal_forward = True  # a proximal pass, the reference's, then the update's forward
+    metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=1e-4)
+    assert used.check_and_reset() == 3 * recorded
+    print(f"{perturb}: agreement without replay {agreement:.3f}, logprob gap unperturbed {unperturbed_gap:.1e}, "
+          f"perturbed {free_gap:.1e}, replayed {replayed_gap:.1e} (reference {replayed_ref_gap:.1e}), "
+          f"train/behav_logprob_gap {metrics['train/behav_logprob_gap']:.1e}")
+    assert metrics["moe/router_agreement"] < 1.0 and metrics["moe/expert_load_max_over_mean"] >= 1.0
+    assert replayed_ref_gap == replayed_gap
+    if perturb == "choice_bias":
+        assert free_gap > 1e-3 and replayed_gap <= unperturbed_gap + 1e-6
+    else:  # the weights moved the routing probabilities a little too
+        assert replayed_gap < free_gap / 5
