@@ -127,28 +127,6 @@ def test_shared_prompt_forward_takes_each_groups_prompt_routing_once():
     assert (mb.routing[:, len(want):] == 255).all()
 
 
-def _engine_view(model, trajs):
-    """What the embedded engine returns for ``trajs`` when it runs ``model``: the response's
-    logprobs and the routing of every position but the last (recorded one sequence at a time)."""
-    from megatron_rl.learner.learner import forward_logits
-    from megatron_rl.learner.logprobs import token_logprobs
-    from megatron_rl.models.routing import record_routing, recorded_choices
-
-    record_routing(model)
-    logprobs, routed = [], []
-    with torch.no_grad():
-        for t in trajs:
-            full = torch.tensor([t.prompt_ids + t.response_ids])
-            p, n = len(t.prompt_ids), full.shape[1]
-            logits = forward_logits(model, full)
-            logprobs.append(token_logprobs(logits[0, p - 1 : n - 1], full[0, p:]).tolist())
-            choices = recorded_choices(model).permute(1, 0, 2).numpy().copy()  # [positions, layers, top_k]
-            choices[-1] = 255
-            routed.append(choices)
-    record_routing(model, False)
-    return logprobs, routed
-
-
 class _ExpertsUsed:
     """Every forward of the learner's models: the micro-batch's recorded routing and the experts
     each MoE layer used."""
@@ -197,7 +175,7 @@ def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world
     engine's experts per token and layer, and the gap returns to the unperturbed level (exactly,
     when the perturbation moved only the choice)."""
     from megatron_rl.learner.learner import Learner
-    from parallel_cases import VOCAB, batch, tiny_cfg
+    from parallel_cases import VOCAB, batch, engine_view, tiny_cfg
 
     cfg = tiny_cfg(moe=True)
     cfg.algo.routing_replay = "rollout"
@@ -210,7 +188,7 @@ def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world
         for p in learner.module.parameters():  # off Megatron's init: routers with clear preferences
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
     trajs = batch()
-    engine_logprobs, routed = _engine_view(learner.module, trajs)
+    engine_logprobs, routed = engine_view(learner.module, trajs)
     for traj, lp, r in zip(trajs, engine_logprobs, routed):
         traj.logprobs, traj.routed_experts = lp, r
     recorded = sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs) * LAYERS
