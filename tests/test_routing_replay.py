@@ -166,20 +166,24 @@ def _max_gap(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-@pytest.mark.parametrize("perturb", ["router_weights", "choice_bias"])
-def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world, perturb):
+@pytest.mark.parametrize("perturb, recompute", [("router_weights", False), ("choice_bias", False),
+                                               ("router_weights", True)],
+                         ids=["router_weights", "choice_bias", "router_weights-recompute"])
+def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world, perturb, recompute):
     """The engine's routing recorded, then the learner's router perturbed so that some of its own
     choices differ (its weights; or, with DeepSeek-V3's sigmoid router, only the bias that steers
     the choice): without replay ``moe/router_agreement`` < 1 and the logprob gap grows; with
     replay every forward (proximal logprobs, the update, the reference model) uses exactly the
     engine's experts per token and layer, and the gap returns to the unperturbed level (exactly,
-    when the perturbation moved only the choice)."""
+    when the perturbation moved only the choice). With full activation recompute, the recompute
+    in the backward replays its micro-batch's routing too."""
     from megatron_rl.learner.learner import Learner
     from parallel_cases import VOCAB, batch, engine_view, tiny_cfg
 
     cfg = tiny_cfg(moe=True)
     cfg.algo.routing_replay = "rollout"
     cfg.algo.kl_coef = 0.01  # a reference model, replayed too
+    cfg.learner.recompute_activations = recompute
     if perturb == "choice_bias":
         cfg.model.moe_router_score_function, cfg.model.moe_router_expert_bias = "sigmoid", True
     learner = Learner(cfg, VOCAB)
