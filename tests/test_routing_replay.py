@@ -231,3 +231,26 @@ def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world
         assert free_gap > 1e-3 and replayed_gap <= unperturbed_gap + 1e-6
     else:  # the weights moved the routing probabilities a little too
         assert replayed_gap < free_gap / 5
+
+
+def test_learner_refuses_replay_its_moe_layers_cannot_do(megatron_world, monkeypatch):
+    """MoE layers that are megatron-core's own (SequentialMLP here; TransformerEngine's grouped MLP
+    on a GPU with TransformerEngine) take no replay: an explicit request is refused in one line,
+    auto turns it off. (Config validation refuses the SequentialMLP case earlier; this guards the
+    learner's actual layers, which the config cannot see.)"""
+    import megatron_rl.learner.learner as learner_module
+
+    from megatron_rl.config import ConfigError
+    from megatron_rl.learner.learner import Learner
+    from parallel_cases import VOCAB, tiny_cfg
+
+    cfg = tiny_cfg(moe=True)
+    cfg.model.moe_grouped_experts = False
+    cfg.algo.routing_replay = "rollout"
+    with pytest.raises(ConfigError) as info:
+        Learner(cfg, VOCAB)
+    assert "MoE layers of this learner are megatron-core's own" in str(info.value)
+    assert "\n" not in str(info.value)
+    cfg.algo.routing_replay = "auto"
+    monkeypatch.setattr(learner_module, "routing_replay_on", lambda cfg: True)  # as auto resolves where TE is
+    assert Learner(cfg, VOCAB).replay_routing is False

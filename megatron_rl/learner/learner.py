@@ -9,6 +9,7 @@ whole batch across micro-batches and data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import logging
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -21,7 +22,7 @@ from ..config.validate import ConfigError, routing_replay_on
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
 from ..models.pretrained import load_pretrained
-from ..models.routing import RoutingReplay
+from ..models.routing import RoutingReplay, foreign_moe_layers
 from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch
@@ -30,6 +31,8 @@ from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step
                             wrap_for_training)
 from .parallel import init_model_parallel
 from .routing_stats import RoutingStats
+
+logger = logging.getLogger(__name__)
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, V_local] of a GPTModel for right-padded token ids [b, s].
@@ -87,7 +90,7 @@ class Learner:
         # Mixture of experts: the forwards of a sample route its tokens as the engine did
         # (``algo.routing_replay``), or only compare with it; dense models skip all of it.
         self.moe = cfg.model.num_experts > 0
-        self.replay_routing = routing_replay_on(cfg)
+        self.replay_routing = routing_replay_on(cfg) and self._replayable()
         self.routing_stats = RoutingStats(self.module.config) if self.moe else None
         self._replay: Optional[RoutingReplay] = None
 
@@ -95,6 +98,20 @@ class Learner:
     def module(self) -> torch.nn.Module:
         """The bare GPTModel under the DDP wrapper."""
         return self.model.module
+
+    def _replayable(self) -> bool:
+        """Whether this stage's MoE layers can replay routing; refuses an explicit
+        algo.routing_replay=rollout where they cannot, and turns auto off with a warning."""
+        foreign = foreign_moe_layers(self.module)
+        if not foreign:
+            return True
+        why = (f"{foreign} MoE layers of this learner are megatron-core's own (SequentialMLP or TransformerEngine's "
+               "grouped MLP), which cannot replay routing")
+        if self.cfg.algo.routing_replay == "rollout":
+            raise ConfigError(f"algo.routing_replay=rollout: {why}; use the local layer spec with "
+                              "model.moe_grouped_experts=true, or algo.routing_replay=none")
+        logger.warning("routing replay off: %s", why)
+        return False
 
     # ---------------------------------------------------------------- forward only
     @torch.no_grad()

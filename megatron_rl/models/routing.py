@@ -35,6 +35,15 @@ def moe_layers(model: torch.nn.Module) -> List[GroupedMoELayer]:
     return layers
 
 
+def foreign_moe_layers(model: torch.nn.Module) -> int:
+    """How many of the model's MoE layers are megatron-core's own (SequentialMLP under
+    ``model.moe_grouped_experts=false``, TransformerEngine's grouped MLP), which record nothing and
+    which ``RoutingReplay`` does not attach to."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return sum(isinstance(m, MoELayer) and not isinstance(m, GroupedMoELayer) for m in model.modules())
+
+
 def number_moe_layers(layers: Sequence[GroupedMoELayer]) -> None:
     """Set each layer's ``moe_index`` from its global layer number and the config's MoE pattern
     (``moe_layer_freq``: an int period or a 0/1 list over all layers)."""
