@@ -254,3 +254,33 @@ def test_learner_refuses_replay_its_moe_layers_cannot_do(megatron_world, monkeyp
     cfg.algo.routing_replay = "auto"
     monkeypatch.setattr(learner_module, "routing_replay_on", lambda cfg: True)  # as auto resolves where TE is
     assert Learner(cfg, VOCAB).replay_routing is False
+
+
+def test_shared_prompt_forward_replays_as_plain_rows(megatron_world):
+    """learner.share_prompts runs each group's prompt once: with routing that the learner's own
+    router partly disagrees with, its replayed logprobs equal those of plain rows."""
+    from megatron_rl.learner.learner import Learner
+    from parallel_cases import VOCAB, batch, engine_view, tiny_cfg
+
+    learner = Learner(tiny_cfg(moe=True), VOCAB)
+    gen = torch.Generator().manual_seed(7)
+    routers = {n: p for n, p in learner.module.named_parameters() if n.endswith("router.weight")}
+    with torch.no_grad():
+        for p in learner.module.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        saved = {n: p.clone() for n, p in routers.items()}
+        for p in routers.values():  # an engine whose routers differ a little
+            p.add_(0.003 * torch.randn(p.shape, generator=gen))
+        trajs = batch()
+        _, routed = engine_view(learner.module, trajs)
+        for n, p in routers.items():
+            p.copy_(saved[n])
+    for traj, r in zip(trajs, routed):
+        traj.routed_experts = r
+    plain = learner.compute_logprobs(trajs, 1.0)
+    assert learner.routing_stats.pop_metrics()["moe/router_agreement"] < 1.0
+    learner.cfg.learner.share_prompts = True
+    shared = learner.compute_logprobs(trajs, 1.0)
+    learner.replay_routing = False
+    free = learner.compute_logprobs(trajs, 1.0)
+    assert _max_gap(shared, plain) <= 1e-5 < _max_gap(free, plain)
