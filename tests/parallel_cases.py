@@ -48,6 +48,29 @@ def batch(n: int = 12) -> List[Trajectory]:
     return trajs
 
 
+def engine_view(model: torch.nn.Module, trajs: List[Trajectory]):
+    """What the embedded engine returns for ``trajs`` when it runs ``model`` (a bare MoE GPTModel at
+    EP = TP = 1): each response's logprobs, and each sequence's routing, [positions, moe_layers,
+    top_k] uint8, recorded one sequence at a time, its last position unrecorded (255)."""
+    from megatron_rl.learner.learner import forward_logits
+    from megatron_rl.learner.logprobs import token_logprobs
+    from megatron_rl.models.routing import record_routing, recorded_choices
+
+    record_routing(model)
+    logprobs, routed = [], []
+    with torch.no_grad():
+        for t in trajs:
+            full = torch.tensor([t.prompt_ids + t.response_ids], device=next(model.parameters()).device)
+            p, n = len(t.prompt_ids), full.shape[1]
+            logits = forward_logits(model, full)
+            logprobs.append(token_logprobs(logits[0, p - 1 : n - 1], full[0, p:]).tolist())
+            choices = recorded_choices(model).permute(1, 0, 2).cpu().numpy().copy()
+            choices[-1] = 255
+            routed.append(choices)
+    record_routing(model, False)
+    return logprobs, routed
+
+
 def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Trajectory]) -> Dict[str, Any]:
     """Build a learner at ``cfg``'s layout, load the reference's full weights, compute logprobs,
     take one training step, and return what this rank sees plus its stage's gathered weights."""

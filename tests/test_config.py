@@ -128,3 +128,16 @@ def test_torchrun_world_takes_every_algorithm_and_vllm_engines_by_broadcast():
         assert "needs vLLM, which is not installed" in str(err)
     with pytest.raises(ConfigError, match="rollout.weight_transport=file works for a vLLM engine in one process only"):
         load_config("tiny_cpu", ["rollout.engine=vllm", "rollout.weight_transport=file"], distributed=True)
+
+
+@pytest.mark.parametrize("overrides, on", [
+    ([], False),  # tiny_cpu: a dense model
+    (["model.family=qwen3_moe", "model.num_experts=4"], True),  # MoE with the embedded engine
+    (["model.family=qwen3_moe", "model.num_experts=4", "algo.routing_replay=none"], False),
+    (["model.family=qwen3_moe", "model.num_experts=4", "model.moe_grouped_experts=false"], False),
+    (["model.family=qwen3_moe", "model.num_experts=4", "algo.routing_replay=rollout"], True),
+])
+def test_routing_replay_auto_is_on_for_moe_with_the_embedded_engine(overrides, on):
+    from megatron_rl.config.validate import routing_replay_on
+
+    assert routing_replay_on(load_config("tiny_cpu", overrides)) is on

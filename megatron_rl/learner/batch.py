@@ -15,6 +15,10 @@ Three packings within a token budget (rows × padded length):
   row, which the loss reads, is its last prompt token and its response, with the logits gathered
   into it from the group's row.
 The loss is a global per-token sum, so the packing does not change what is optimised.
+
+Mixture-of-experts routing replay: a micro-batch whose trajectories carry the engine's routed
+experts also carries them laid out for its forward (``MicroBatch.routing``), in the router's token
+order, so the learner can hand them to its routers (models/routing.py) right before the forward.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from ..models.shared_prefix import SegmentLayout, build_segment_layout, take_rows
@@ -54,6 +59,10 @@ class MicroBatch:
     # its logits, gathered, are laid out as ``tokens``' would be, so the loss side is unchanged.
     # Then each row is the sample's last prompt token and its response (response_values knows).
     shared: Optional["SharedForward"] = None
+    # Routing replay: the engine's recorded experts for every token the model runs (``tokens``, or
+    # ``shared.tokens``), [moe_layers, s·b, top_k] in the router's order (see ``routing_tensor``);
+    # None when no trajectory of the micro-batch carries routing (dense models, unrecorded runs).
+    routing: Optional[torch.Tensor] = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         moved = {k: (v.to(device) if isinstance(v, (torch.Tensor, SharedForward)) else v)
@@ -167,7 +176,7 @@ def build_shared_micro_batches(trajs: Sequence[Trajectory], token_budget: int, p
     # The samples' own rows (labels, masks, per-token fields, and the logits gathered for them)
     # hold the last prompt token and the response: the prompt's other places would only be
     # masked out, and a long prompt's logits over the vocabulary are most of the memory.
-    rows = [replace(t, prompt_ids=t.prompt_ids[-1:]) for t in trajs]
+    rows = [replace(t, prompt_ids=t.prompt_ids[-1:], routed_experts=None) for t in trajs]
     by_prompt: Dict[Tuple, List[int]] = {}
     for i, t in enumerate(trajs):
         by_prompt.setdefault((t.prompt_uid, tuple(t.prompt_ids)), []).append(i)
@@ -180,6 +189,7 @@ def build_shared_micro_batches(trajs: Sequence[Trajectory], token_budget: int, p
         idx = [i for g in members for i in g]
         mb = _collate([rows[i] for i in idx], idx, len(idx), 1 + max(len(trajs[i].response_ids) for i in idx), pad_id)
         mb.shared = _shared_forward(trajs, members, row_len[order[run[-1]]], mb.seq_len, pad_id)
+        mb.routing = _shared_routing(trajs, members, row_len[order[run[-1]]])
         batches.append(mb)
     return batches
 
@@ -212,6 +222,53 @@ def _shared_forward(trajs: Sequence[Trajectory], groups: List[List[int]], seq_le
         tokens[g, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         positions[g, : len(pos)] = torch.tensor(pos, dtype=torch.long)
     return SharedForward(tokens, positions, build_segment_layout(segments, len(groups) * seq_len), logit_index)
+
+
+def _shared_routing(trajs: Sequence[Trajectory], groups: List[List[int]], seq_len: int) -> Optional[torch.Tensor]:
+    """The routing of a shared forward (``_shared_forward``'s layout): each group's prompt as its
+    first sample recorded it, then each response's own positions."""
+    pieces = []
+    for g, members in enumerate(groups):
+        p = len(trajs[members[0]].prompt_ids)
+        at = p
+        prompt_from = next((trajs[i].routed_experts for i in members if trajs[i].routed_experts is not None), None)
+        if prompt_from is not None:
+            pieces.append((g, 0, np.asarray(prompt_from)[:p]))
+        for i in members:
+            n = len(trajs[i].response_ids)
+            if trajs[i].routed_experts is not None:
+                pieces.append((g, at, np.asarray(trajs[i].routed_experts)[p : p + n]))
+            at += n
+    return routing_tensor(pieces, len(groups), seq_len)
+
+
+def _recorded(traj: Trajectory) -> np.ndarray:
+    routed = np.asarray(traj.routed_experts)
+    n = len(traj.prompt_ids) + len(traj.response_ids)
+    if routed.ndim != 3 or len(routed) > n:
+        raise ValueError(f"trajectory {traj.prompt_uid}/{traj.sample_index}: routed experts of shape "
+                         f"{routed.shape} for {n} tokens (expected [tokens, moe_layers, top_k])")
+    return routed
+
+
+def routing_tensor(pieces: Sequence[Tuple[int, int, np.ndarray]], rows: int, seq_len: int) -> Optional[torch.Tensor]:
+    """Recorded routing for a [rows, seq_len] forward, [moe_layers, seq_len · rows, top_k], from
+    (row, first place, [places, moe_layers, top_k] choices) pieces; "unrecorded" (255 in uint8,
+    -1 otherwise) everywhere else, so padding and the last token route by the learner's router.
+    Tokens are in the router's order: megatron-core runs [s, b] activations and flattens them
+    sequence-major, so row b's place s is token s · rows + b. None when there is no piece."""
+    if not pieces:
+        return None
+    first = pieces[0][2]
+    fill = 255 if first.dtype == np.uint8 else -1
+    out = np.full((seq_len, rows, *first.shape[1:]), fill, dtype=first.dtype)
+    for row, start, choices in pieces:
+        if start + len(choices) > seq_len:
+            raise ValueError(f"routing for places {start}..{start + len(choices) - 1} of a {seq_len}-place row: the "
+                             "recorded routing does not match the sequence")
+        out[start : start + len(choices), row] = choices
+    layers, top_k = first.shape[1:]
+    return torch.from_numpy(np.ascontiguousarray(out.reshape(seq_len * rows, layers, top_k).transpose(1, 0, 2)))
 
 
 def _token_values(traj: Trajectory) -> Dict[str, List[float]]:
@@ -262,7 +319,10 @@ def _collate(trajs: Sequence[Trajectory], idx: List[int], rows: int, seq_len: in
         field = torch.zeros(shape)
         field.view(-1)[at] = torch.tensor(values[name], dtype=torch.float)
         per_token[name] = field
-    return MicroBatch(tokens=tokens, labels=labels, rows=idx + [-1] * (rows - len(trajs)), **per_token)
+    routing = routing_tensor([(r, 0, _recorded(t)) for r, t in enumerate(trajs) if t.routed_experts is not None],
+                             rows, seq_len)
+    return MicroBatch(tokens=tokens, labels=labels, rows=idx + [-1] * (rows - len(trajs)), routing=routing,
+                      **per_token)
 
 
 def response_values(mb: MicroBatch, values: torch.Tensor, trajs: Sequence[Trajectory]) -> Dict[int, List[float]]:

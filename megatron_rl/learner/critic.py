@@ -2,7 +2,11 @@
 layout, micro-batching and pipeline schedules, and its own optimizer.
 
 Values are per response token, at the same positions as the policy's logprobs: the value at
-position p-1+t is V(prompt + response[:t]), the state in which response token t is chosen."""
+position p-1+t is V(prompt + response[:t]), the state in which response token t is chosen.
+
+An MoE critic routes by its own router, without routing replay: replay makes the learner score
+tokens with the network that sampled them, and the critic is a different network, which no
+engine forward ran."""
 
 from __future__ import annotations
 

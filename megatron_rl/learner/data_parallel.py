@@ -80,6 +80,19 @@ def sum_over_replicas(stats: Dict[str, float]) -> Dict[str, float]:
     return dict(zip(keys, values.tolist()))
 
 
+def sum_over_stages_and_replicas(values: torch.Tensor) -> torch.Tensor:
+    """``values`` summed over the pipeline stages and data-parallel replicas (each rank counting its
+    own layers and share of the batch); tensor-parallel ranks count the same and are not added."""
+    ps = _ps()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    values = values.to(device)
+    for size, group in ((ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_group()),
+                        (ps.get_data_parallel_world_size(), ps.get_data_parallel_group())):
+        if size > 1:
+            dist.all_reduce(values, group=group)
+    return values.cpu()
+
+
 def uniform_micro_batches(trajs: Sequence, token_budget: int, pad_id: int) -> List:
     """Micro-batches of one shape and count on every data-parallel replica.
 

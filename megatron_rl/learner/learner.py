@@ -8,6 +8,8 @@ whole batch across micro-batches and data-parallel ranks.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -16,10 +18,11 @@ import torch
 from ..algorithms import kl_penalty
 from ..algorithms.policy_loss import POLICY_LOSSES, aggregate_loss
 from ..config.schema import RootConfig
-from ..config.validate import ConfigError
+from ..config.validate import ConfigError, routing_replay_on
 from ..models.gpt import build_gpt_model, model_device
 from ..models.hf_names import megatron_to_hf
 from ..models.pretrained import load_pretrained
+from ..models.routing import RoutingReplay, foreign_moe_layers
 from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch
@@ -27,6 +30,9 @@ from .logprobs import token_logprobs, token_logprobs_and_entropy
 from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
                             wrap_for_training)
 from .parallel import init_model_parallel
+from .routing_stats import RoutingStats
+
+logger = logging.getLogger(__name__)
 
 def forward_logits(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, V_local] of a GPTModel for right-padded token ids [b, s].
@@ -81,11 +87,31 @@ class Learner:
         # Tests set this to compare the skipped proximal forward with the explicit one.
         self.force_proximal_forward = False
         self._proximal_in_forward = False
+        # Mixture of experts: the forwards of a sample route its tokens as the engine did
+        # (``algo.routing_replay``), or only compare with it; dense models skip all of it.
+        self.moe = cfg.model.num_experts > 0
+        self.replay_routing = routing_replay_on(cfg) and self._replayable()
+        self.routing_stats = RoutingStats(self.module.config) if self.moe else None
+        self._replay: Optional[RoutingReplay] = None
 
     @property
     def module(self) -> torch.nn.Module:
         """The bare GPTModel under the DDP wrapper."""
         return self.model.module
+
+    def _replayable(self) -> bool:
+        """Whether this stage's MoE layers can replay routing; refuses an explicit
+        algo.routing_replay=rollout where they cannot, and turns auto off with a warning."""
+        foreign = foreign_moe_layers(self.module)
+        if not foreign:
+            return True
+        why = (f"{foreign} MoE layers of this learner are megatron-core's own (SequentialMLP or TransformerEngine's "
+               "grouped MLP), which cannot replay routing")
+        if self.cfg.algo.routing_replay == "rollout":
+            raise ConfigError(f"algo.routing_replay=rollout: {why}; use the local layer spec with "
+                              "model.moe_grouped_experts=true, or algo.routing_replay=none")
+        logger.warning("routing replay off: %s", why)
+        return False
 
     # ---------------------------------------------------------------- forward only
     @torch.no_grad()
@@ -95,8 +121,34 @@ class Learner:
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
-        return per_token_outputs(model, trajs, self.cfg.learner, self.pad_id,
-                                 partial(self._forward_step, temperature=temperature))
+        # The policy's forward before an update is the proximal pass: its routers' agreement with
+        # the engine is the step's moe/router_agreement.
+        with self._routing(model, count=not reference):
+            return per_token_outputs(model, trajs, self.cfg.learner, self.pad_id,
+                                     partial(self._forward_step, temperature=temperature))
+
+    @contextlib.contextmanager
+    def _routing(self, model: torch.nn.Module, count: bool) -> Iterator[None]:
+        """During the block, each micro-batch's forward replays (or, without routing replay, only
+        compares with) the routing its trajectories recorded (``MicroBatch.routing``); with
+        ``count``, the routers' agreement and the experts' load go into ``routing_stats``."""
+        if not self.moe:
+            yield
+            return
+        with RoutingReplay(model, enforce=self.replay_routing) as replay:
+            self._replay = replay
+            try:
+                yield
+            finally:
+                self._replay = None
+            if count:
+                self.routing_stats.add(replay)
+
+    def _route_as_recorded(self, mb: MicroBatch) -> None:
+        """Hand the micro-batch's recorded routing to the routers: called inside the forward-step
+        function, so under a pipeline schedule each micro-batch's forward gets its own."""
+        if self._replay is not None:
+            self._replay.set(mb.routing)
 
     def fill_logprobs(self, trajs: Sequence[Trajectory], temperature: float, reference: bool = False) -> None:
         """Set each trajectory's proximal (or reference) logprobs unless a caller already did
@@ -109,6 +161,7 @@ class Learner:
 
     def _forward_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
+        self._route_as_recorded(mb)
         logits = forward_micro_batch(model, mb)
 
         def collect(output, non_loss_data=True):
@@ -139,16 +192,22 @@ class Learner:
             metrics["train/capped_fraction"] = metrics.pop("train/capped_tokens")
         metrics["train/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
         metrics["train/lr"] = lr
+        if self.routing_stats is not None:  # collective over the stages and replicas: every rank
+            metrics.update(self.routing_stats.pop_metrics())
         return metrics
 
     def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
-        stats, grad_norm = optimizer_step(self.model, self.optimizer, local_micro_batches(trajs, self.cfg.learner, self.pad_id),
-                                          partial(self._loss_step, temperature=temperature))
+        # Without a separate proximal pass this forward is the proximal one (the weights before the update).
+        with self._routing(self.model, count=self._proximal_in_forward):
+            stats, grad_norm = optimizer_step(self.model, self.optimizer,
+                                              local_micro_batches(trajs, self.cfg.learner, self.pad_id),
+                                              partial(self._loss_step, temperature=temperature))
         self.optimizer_steps += 1
         return stats, grad_norm
 
     def _loss_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
+        self._route_as_recorded(mb)
         logits = forward_micro_batch(model, mb)
         return logits, partial(self._policy_loss, mb=mb, temperature=temperature)
 

@@ -35,6 +35,15 @@ def moe_layers(model: torch.nn.Module) -> List[GroupedMoELayer]:
     return layers
 
 
+def foreign_moe_layers(model: torch.nn.Module) -> int:
+    """How many of the model's MoE layers are megatron-core's own (SequentialMLP under
+    ``model.moe_grouped_experts=false``, TransformerEngine's grouped MLP), which record nothing and
+    which ``RoutingReplay`` does not attach to."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return sum(isinstance(m, MoELayer) and not isinstance(m, GroupedMoELayer) for m in model.modules())
+
+
 def number_moe_layers(layers: Sequence[GroupedMoELayer]) -> None:
     """Set each layer's ``moe_index`` from its global layer number and the config's MoE pattern
     (``moe_layer_freq``: an int period or a 0/1 list over all layers)."""
@@ -81,8 +90,9 @@ class _LayerReplay:
     hook) without joining its process-wide list of instances, which a process holding several
     models (learner, reference, engine) would mix up."""
 
-    def __init__(self, replay: "RoutingReplay"):
+    def __init__(self, replay: "RoutingReplay", index: int):
         self.replay = replay
+        self.index = index  # among the replay's layers (this stage's)
         self.target: Optional[torch.Tensor] = None
         # Targets of forwards whose recompute (activation checkpointing) is still to come, in
         # forward order: 1F1B recomputes micro-batches in the order it ran them.
@@ -100,8 +110,10 @@ class _LayerReplay:
         known = target[:, :1] >= 0
         self.replay.count_agreement(own, target, known)
         if not self.replay.enforce:
+            self.replay.count_load(self.index, own, known)
             return own_values, own
         chosen = torch.where(known, target, own)
+        self.replay.count_load(self.index, chosen, known)
         return scores.gather(1, chosen), chosen
 
     def _target_for_this_forward(self) -> Optional[torch.Tensor]:
@@ -134,11 +146,13 @@ class RoutingReplay:
         self.recompute = bool(config is not None and config.recompute_granularity == "full")
         self._agree: Optional[torch.Tensor] = None
         self._total: Optional[torch.Tensor] = None
+        # Tokens each expert of each layer received among the recorded ones: [layers, experts].
+        self._load: Optional[torch.Tensor] = None
         self._hooks: List[_LayerReplay] = []
 
     def __enter__(self) -> "RoutingReplay":
-        for layer in self.layers:
-            hook = _LayerReplay(self)
+        for index, layer in enumerate(self.layers):
+            hook = _LayerReplay(self, index)
             layer.router.router_replay = hook
             self._hooks.append(hook)
         return self
@@ -163,6 +177,20 @@ class RoutingReplay:
         total = known.sum(dtype=torch.int64) * own.size(1)
         self._agree = agree if self._agree is None else self._agree + agree
         self._total = total if self._total is None else self._total + total
+
+    def count_load(self, index: int, chosen: torch.Tensor, known: torch.Tensor) -> None:
+        # A scatter into a fixed-size tensor: no host synchronisation (bincount would need one).
+        if self._load is None:
+            experts = self.layers[0].config.num_moe_experts
+            self._load = torch.zeros(len(self.layers), experts, dtype=torch.float64, device=chosen.device)
+        weight = known.expand_as(chosen).to(torch.float64).reshape(-1)
+        self._load[index].scatter_add_(0, chosen.reshape(-1), weight)
+
+    def expert_load(self) -> Optional[torch.Tensor]:
+        """[this stage's MoE layers, experts]: how many recorded tokens each expert received
+        (the experts the forwards used: the recorded ones when enforcing) since entry; None
+        before any recorded token."""
+        return self._load
 
     def agreement(self) -> Tuple[int, int]:
         """(choices where the router's own top-k holds the recorded expert, recorded choices)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Sequence, Tupl
 from ..registry import Registry
 from ..types import GenerationChunk, SamplingParams, Trajectory
 from .engine import whole_response
+from .routed_experts import over_positions
 
 if TYPE_CHECKING:  # for annotations only: config validation imports this module for WORKFLOWS
     from ..data.datasets import Prompt
@@ -22,8 +23,10 @@ WORKFLOWS: Registry[GroupWorkflow] = Registry("workflow")
 
 
 def _trajectory(prompt: Prompt, index: int, response: GenerationChunk) -> Trajectory:
+    # The engine's routing as it recorded it: each position's own, never recomputed here.
+    routed = over_positions(response.routed_experts, len(prompt.prompt_ids) + len(response.token_ids))
     return Trajectory(prompt.uid, index, list(prompt.prompt_ids), response.token_ids, response.logprobs,
-                      response.versions, response.finish_reason or "abort")
+                      response.versions, response.finish_reason or "abort", routed_experts=routed)
 
 
 async def single_turn(engine: RolloutEngine, prompt: Prompt, index: int, params: SamplingParams,

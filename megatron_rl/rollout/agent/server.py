@@ -135,7 +135,8 @@ class ChatServer:
             run.aborted = True
             raise RequestError(409, f"request {request_id} was aborted by the trainer; the run will be run again",
                                "aborted")
-        run.turns.append(Turn(prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason))
+        run.turns.append(Turn(prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
+                              routed_experts=out.routed_experts))
         run.history.append((text + self.tokenizer.decode_with_specials(out.token_ids), prompt_ids + out.token_ids))
         content, tool_calls = parse_tool_calls(self.tokenizer.decode_response(out.token_ids))
         message: Dict[str, Any] = {"role": "assistant", "content": content}

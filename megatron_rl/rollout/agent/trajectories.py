@@ -12,9 +12,10 @@ template re-rendered a past answer differently) starts a new trajectory.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Any, List, Optional, Sequence
 
 from ...types import Trajectory
+from ..routed_experts import first_records
 
 
 @dataclass
@@ -26,6 +27,9 @@ class Turn:
     logprobs: List[float]
     versions: List[int]
     finish_reason: str
+    # The experts each MoE layer chose for the positions the engine computed in this call (its
+    # prompt and completion but the last token), [positions, moe_layers, top_k]; None if unrecorded.
+    routed_experts: Optional[Any] = None
 
 
 def extends(turn: Turn, sequence: Sequence[int]) -> bool:
@@ -54,18 +58,20 @@ def run_trajectories(turns: Sequence[Turn], prompt_uid: str, sample_index: int, 
             last["mask"] += [0] * len(gap)
         else:
             last = {"prompt": list(turn.prompt_ids), "response": [], "logprobs": [], "versions": [],
-                    "mask": [], "turns": 0, "finish": "stop"}
+                    "mask": [], "turns": 0, "finish": "stop", "routed": []}
             pieces.append(last)
         last["response"] += list(turn.completion_ids)
         last["logprobs"] += list(turn.logprobs)
         last["versions"] += list(turn.versions)
         last["mask"] += [1] * len(turn.completion_ids)
+        last["routed"].append(turn.routed_experts)  # positions numbered as the piece's: its prompt extends it
         last["turns"] += 1
         last["finish"] = turn.finish_reason
     trajectories, later_turns = [], 0
     for piece in reversed(pieces):
         traj = Trajectory(prompt_uid, sample_index, piece["prompt"], piece["response"], piece["logprobs"],
-                          piece["versions"], piece["finish"], loss_mask=piece["mask"], reward=reward)
+                          piece["versions"], piece["finish"], loss_mask=piece["mask"], reward=reward,
+                          routed_experts=first_records(piece["routed"], len(piece["prompt"]) + len(piece["response"])))
         traj.advantage_scale = turn_discount ** later_turns
         later_turns += piece["turns"]
         trajectories.append(traj)
