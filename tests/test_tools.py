@@ -121,3 +121,57 @@ def test_engine_gpu_bench_roofline_by_hand():
     # One row: the step is bound by reading the weights, not by their arithmetic.
     one = roofline_seconds(m, 151936, 1, 512, 256)
     assert one > 256 * weights * 2 / 4.8e12
+
+
+def test_learner_gpu_bench_active_flops_for_the_moe_recipe():
+    """For MoE the bench counts active FLOPs: per layer attention (18.9 M), router (2048 x 128)
+    and 8 of the 128 experts' three 2048 x 768 matmuls, plus the 151,936 x 2048 LM head: 0.54 B
+    of the 3.11 B matmul weights of gsm8k_qwen3_moe_gpu (Qwen3-30B-A3B's layer shape, 4 layers)."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from learner_gpu import step_flops
+    from model_size import active_matmul_params, matmul_params
+
+    from megatron_rl.config import load_config
+
+    m = load_config("gsm8k_qwen3_moe_gpu", ["trainer.progress=false"]).model
+    attention, router, expert, head = 2048 * (4096 + 2 * 512) + 4096 * 2048, 2048 * 128, 3 * 2048 * 768, 151936 * 2048
+    assert attention == 18_874_368
+    assert active_matmul_params(m, 151936) == 4 * (attention + router + 8 * expert) + head == 538_705_920
+    assert matmul_params(m, 151936) == 4 * (attention + router + 128 * expert) + head
+    assert 3.10e9 < matmul_params(m, 151936) + head < 3.12e9  # with the (untied) embedding: 3.11 B parameters
+    assert step_flops(m, 151936, 8, 2048) == 6 * 538_705_920 * 8 * 2048 + 6 * 4 * 32 * 128 * 8 * 2048 ** 2
+    full = load_config("gsm8k_qwen3_moe_gpu", ["trainer.progress=false", "model.num_layers=48"]).model
+    assert 30.4e9 < matmul_params(full, 151936) + head < 30.6e9  # Qwen3-30B-A3B: 30.5 B
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen2"])
+def test_bench_matmul_params_count_every_matmul_weight_of_the_built_model(megatron_world, family):
+    """tools/bench/model_size.py's counts against a built Megatron model of each family (dense
+    layers, shared experts and their gate, multi-head latent attention included): every 2-D
+    weight but the embedding lookup."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    sys.path.insert(0, str(TOOLS.parent / "tests"))
+    from hf_helpers import hf_config
+    from model_size import matmul_params
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_gpt_model
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = hf_config(family).to_dict()
+    hf["architectures"] = [get_family(family).architecture]
+    m, vocab = model_config_from_hf(hf)
+    model = build_gpt_model(m, vocab)
+    weights = sum(p.numel() for name, p in model.named_parameters()
+                  if p.dim() == 2 and name != "embedding.word_embeddings.weight")
+    if m.tie_word_embeddings:
+        weights += vocab * m.hidden_size  # the LM head multiplies by the embedding
+    assert matmul_params(m, vocab) == weights
+
+
+def test_learner_gpu_bench_kernels_busy_counts_overlaps_once():
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from learner_gpu import union_length
+
+    assert union_length([(5, 6), (0, 2), (1, 3), (5.5, 5.7), (3, 4)]) == 5.0
+    assert union_length([]) == 0.0
