@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
@@ -175,3 +176,26 @@ def test_learner_gpu_bench_kernels_busy_counts_overlaps_once():
 
     assert union_length([(5, 6), (0, 2), (1, 3), (5.5, 5.7), (3, 4)]) == 5.0
     assert union_length([]) == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"])
+def test_engine_gpu_bench_splits_fused_experts_as_checkpoints_store_them(tmp_path, family):
+    """transformers keeps a layer's experts fused in memory; the engine bench pushes them under the
+    per-expert names (and Mixtral's router name) of the checkpoint transformers itself writes."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    sys.path.insert(0, str(TOOLS.parent / "tests"))
+    from engine_gpu import per_expert_hf_tensors
+    from hf_helpers import save_random_hf_model
+    from safetensors.torch import load_file
+
+    from megatron_rl.models.hf_config import model_config_from_hf, read_hf_config
+
+    model = save_random_hf_model(family, tmp_path)
+    on_disk = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        on_disk.update(load_file(shard))
+    m, _ = model_config_from_hf(read_hf_config(tmp_path))
+    split = dict(per_expert_hf_tensors(model.state_dict().items(), m))
+    assert any(".experts.0." in name for name in split)
+    assert sorted(split) == sorted(on_disk)
+    assert all(torch.equal(split[name], on_disk[name]) for name in on_disk)

@@ -1,17 +1,20 @@
 """Benchmark: the embedded engine against transformers' ``generate`` on one GPU, same model.
 
     python tools/bench/engine_gpu.py [--batches 64,256] [--prompt-len 512] [--new-tokens 256]
-        [--vocab 151936] [--skip-hf] [--gap-rows 16] [--graphs on,off] [--profile]
-        [--decode-attention sdpa,efficient,triton,matmul] [--warmup-tokens 4] [--width-step 256]
+        [--recipe gsm8k_qwen2_gpu | --preset qwen3-30b-a3b] [--vocab 151936] [--skip-hf] [--hf-calls 2]
+        [--gap-rows 16] [--graphs on,off] [--profile] [--decode-attention sdpa,efficient,triton,matmul]
+        [--warmup-tokens 4] [--width-step 256] [override ...]
 
-One random-weight Hugging Face Qwen2 model of ``gsm8k_qwen2_gpu``'s shape (Qwen2-1.5B: 28 layers,
-hidden 1536, GQA 12/2) in bf16 is built with transformers; its weights are pushed into the
+One random-weight model of the recipe's shape (default ``gsm8k_qwen2_gpu``: Qwen2-1.5B, 28 layers,
+hidden 1536, GQA 12/2; ``--recipe gsm8k_qwen3_moe_gpu``: the Qwen3-30B-A3B layer shape cut to 4
+layers; ``--preset``: a whole MoE model, see PRESETS; extra arguments are config overrides, e.g.
+``model.num_layers=24``) in bf16 is built with transformers; its weights are pushed into the
 embedded engine (Megatron GPTModel, KV cache), so both serve the same model. Both get the same
 prompts (random ids, --prompt-len each) and sample at T = 1 with no top-k/top-p and no stop token,
 so every request generates exactly --new-tokens tokens. Per batch size: the engine's tokens/s
 (all requests submitted at once, after a warm-up of the same batch for 4 tokens; decode steps
 replayed from CUDA graphs, ``--graphs on``, or launched eagerly, ``off``), its prefill seconds and
-decode milliseconds per step, ``generate``'s tokens/s (the faster of two calls over the whole
+decode milliseconds per step, ``generate``'s tokens/s (the faster of --hf-calls calls over the whole
 batch, each after a short warm-up call; each call's rate is listed below the table), the ratio to
 it and, ``vs 1st``, to the first call's rate (what one call of ``generate`` per run gives; the
 second has run 1.4–3.4× faster here); then the roofline (``roofline_seconds``: the chip's
@@ -21,7 +24,24 @@ prefill's and the decode step's kernel time and heaviest kernels, per batch.
 ``--width-step``: the graphs' attention-width bucket; ``--warmup-tokens``: the warm-up's length
 (as long as the run: every graph the run needs is captured before it is timed).
 Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
-logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token.
+logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token
+(skipped, with the reason, when a learner with Adam's state would not fit beside the engine).
+
+Mixture of experts: transformers 5 keeps a layer's experts fused in memory (``mlp.experts.
+gate_up_proj`` E × 2I × H, gate rows first; ``mlp.experts.down_proj`` E × H × I); the engine takes
+per-expert Hugging Face names as checkpoints store them, so ``per_expert_hf_tensors`` splits them
+(views, no copy). For MoE models the bench also prints the decode-step bound
+(``moe_decode_bound``): per step the bytes of the routed experts the batch touches (the expected
+distinct experts per layer, E · (1 − (1 − k/E)^B) for B rows choosing k of E, i.e. every expert once
+B · k ≫ E), the attention, router, shared-expert and LM-head weights, and the KV cache (mean over
+the steps), read at the 4.3 TB/s measured on an H200; and the engine's share of it, by decode
+step time and by tokens/s.
+
+Memory: transformers' model and the engine are never on the GPU together. transformers' model is
+built and timed first; its weights then move to host memory (the bf16 model once: 61 GB for the
+whole Qwen3-30B-A3B, whose loading into the engine needs another ~40 GB of host memory while the
+experts' gate and up matrices are joined) and it is freed before the first engine is built; each
+engine is shut down and freed before the next. Allocated GPU memory is printed at each stage.
 """
 
 from __future__ import annotations
@@ -29,22 +49,75 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import re
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from learner_gpu import matmul_params  # noqa: E402 - the sibling benchmark's parameter count
+from learner_gpu import drop_autograd_leftovers, release_memory  # noqa: E402 - the sibling benchmark's
+from model_size import (active_matmul_params, attention_flops, decode_weight_params, expert_params,  # noqa: E402
+                        experts_touched, kv_bytes_per_token, matmul_params, moe_layers)
 
 # An H200's datasheet peaks: dense bf16 matmuls and HBM3e bandwidth. The roofline column uses them.
 PEAK_TFLOPS = 989.0
 PEAK_TBS = 4.8
+# HBM bandwidth measured on the H200 (a large device-to-device copy): the MoE decode bound uses it.
+MEASURED_TBS = 4.3
+ON_GPU = torch.cuda.is_available()
+
+# Whole models by name: (recipe, overrides, vocabulary), with their bf16 sizes. The engine's KV cache
+# holds max_batch × 2 × (prompt + new tokens + 8) slots: at batch 256, 512 + 256 tokens, 39 GB for
+# Qwen3-30B-A3B (100 GB with its weights), 78 GB for Qwen1.5-MoE-A2.7B, 13 GB for the Mixtral cut.
+PRESETS: Dict[str, Tuple[str, List[str], int]] = {
+    # Qwen3-30B-A3B: 48 layers, 30.5 B parameters, 61 GB in bf16.
+    "qwen3-30b-a3b": ("gsm8k_qwen3_moe_gpu", ["model.num_layers=48"], 151936),
+    # Qwen1.5-MoE-A2.7B (qwen2_moe): 24 layers, 60 experts top-4 of FFN 1408 and a gated shared
+    # expert of 5632, softmax before top-k; 14.3 B parameters, 29 GB.
+    "qwen1.5-moe-a2.7b": ("gsm8k_qwen2_gpu", [
+        "model.family=qwen2_moe", "model.num_layers=24", "model.hidden_size=2048", "model.num_attention_heads=16",
+        "model.num_query_groups=16", "model.ffn_hidden_size=5632", "model.num_experts=60", "model.moe_router_topk=4",
+        "model.moe_ffn_hidden_size=1408", "model.moe_shared_expert_ffn_hidden_size=5632",
+        "model.moe_shared_expert_gate=true", "model.moe_norm_topk_prob=false", "model.tie_word_embeddings=false"],
+        151936),
+    # Mixtral-8x7B's layer shape (8 experts top-2 of FFN 14336, GQA 32/8) cut to 8 of its 32
+    # layers: 11.9 B parameters, 24 GB (the whole 46.7 B model would not pass through host memory).
+    "mixtral-8x7b-8l": ("gsm8k_qwen2_gpu", [
+        "model.family=mixtral", "model.num_layers=8", "model.hidden_size=4096", "model.num_attention_heads=32",
+        "model.num_query_groups=8", "model.ffn_hidden_size=14336", "model.num_experts=8", "model.moe_router_topk=2",
+        "model.norm_epsilon=1e-5", "model.tie_word_embeddings=false"], 32000),
+    # DeepSeek-V2-Lite's shape with DeepSeek-V3's routing (deepseek_v3 family): multi-head latent
+    # attention (kv latent 512, no query latent), 27 layers, the first dense, 64 experts top-6 of
+    # FFN 1408 plus 2 shared, sigmoid routing with a score-correction bias; 15.7 B parameters, 31 GB.
+    # Megatron's MLA caches whole per-head keys and values (276 KB per token): run it at --batches 64
+    # (a 27 GB cache; batch 256 would need 110 GB beside the weights).
+    "deepseek-v2-lite": ("gsm8k_qwen2_gpu", [
+        "model.family=deepseek_v3", "model.num_layers=27", "model.hidden_size=2048", "model.num_attention_heads=16",
+        "model.num_query_groups=16", "model.ffn_hidden_size=10944", "model.kv_lora_rank=512",
+        "model.qk_nope_head_dim=128", "model.qk_rope_head_dim=64", "model.v_head_dim=128", "model.num_experts=64",
+        "model.moe_router_topk=6", "model.moe_ffn_hidden_size=1408", "model.moe_shared_expert_ffn_hidden_size=2816",
+        "model.moe_layer_pattern=[0" + ",1" * 26 + "]", "model.moe_router_score_function=sigmoid",
+        "model.moe_router_expert_bias=true", "model.moe_router_num_groups=1", "model.moe_router_group_topk=1",
+        "model.moe_router_topk_scaling_factor=1.0", "model.tie_word_embeddings=false"], 102400),
+}
+
+
+def synchronize() -> None:
+    if ON_GPU:
+        torch.cuda.synchronize()
+
+
+def device_memory(stage: str) -> None:
+    """Print the GPU memory torch has allocated at ``stage``."""
+    if ON_GPU:
+        print(f"[memory] {stage}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
 
 
 def roofline_seconds(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, tflops: float = PEAK_TFLOPS,
@@ -52,29 +125,115 @@ def roofline_seconds(m, vocab: int, batch: int, prompt_len: int, new_tokens: int
     """A lower bound on one batch's time (prefill, then ``new_tokens`` decode steps): the prefill's
     matmuls and causal attention at ``tflops`` (the LM head runs on the last token only), then per
     decode step the slower of its matmuls at ``tflops`` and reading their weights at ``tbs``, plus
-    reading every row's cached keys and values at ``tbs``."""
+    reading every row's cached keys and values at ``tbs``. For MoE the matmuls are the active
+    ones (a token's top-k experts) and the weights read are those the step's rows reach
+    (``decode_weight_params``)."""
     flops, bandwidth = tflops * 1e12, tbs * 1e12
-    hd = m.head_dim or m.hidden_size // m.num_attention_heads
-    weights = matmul_params(m, vocab)
-    layers = weights - vocab * m.hidden_size
-    attention = 2 * m.num_layers * m.num_attention_heads * hd * prompt_len ** 2  # per row: QK and PV, causal
-    prefill = (2 * layers * prompt_len + attention) * batch / flops
-    step = max(2 * weights * batch / flops, weights * dtype_bytes / bandwidth)
-    kv_per_token = m.num_layers * 2 * m.num_query_groups * hd * dtype_bytes
-    cached = batch * kv_per_token * (new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2)
+    active = active_matmul_params(m, vocab)
+    layers = active - vocab * m.hidden_size
+    prefill = (2 * layers * prompt_len + attention_flops(m, prompt_len)) * batch / flops
+    step = max(2 * active * batch / flops, decode_weight_params(m, vocab, batch) * dtype_bytes / bandwidth)
+    cached = batch * kv_bytes_per_token(m, dtype_bytes) * (new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2)
     return prefill + new_tokens * step + cached / bandwidth
 
 
-def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights,
+@dataclass
+class DecodeBound:
+    """One MoE decode step's lower bound and what it reads."""
+    experts_per_layer: float  # expected distinct routed experts per MoE layer
+    expert_bytes: float       # their weights, all MoE layers
+    other_bytes: float        # attention, router, shared experts, dense layers, LM head
+    kv_bytes: float           # cached keys and values, mean over the steps
+    seconds: float
+
+    def tokens_per_s(self, batch: int) -> float:
+        return batch / self.seconds
+
+
+def moe_decode_bound(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, tbs: float = MEASURED_TBS,
+                     tflops: float = PEAK_TFLOPS, dtype_bytes: int = 2) -> DecodeBound:
+    """Per decode step of ``batch`` rows: reading the weights the step touches and the KV cache
+    (at a mean of prompt_len + (new_tokens - 1) / 2 cached tokens per row) at ``tbs``, or the
+    active matmuls at ``tflops`` if slower."""
+    touched = experts_touched(m, batch)
+    expert_bytes = sum(moe_layers(m)) * touched * expert_params(m) * dtype_bytes
+    other_bytes = decode_weight_params(m, vocab, batch) * dtype_bytes - expert_bytes
+    kv_bytes = batch * kv_bytes_per_token(m, dtype_bytes) * (prompt_len + (new_tokens - 1) / 2)
+    seconds = max((expert_bytes + other_bytes + kv_bytes) / (tbs * 1e12),
+                  2 * active_matmul_params(m, vocab) * batch / (tflops * 1e12))
+    return DecodeBound(touched, expert_bytes, other_bytes, kv_bytes, seconds)
+
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)$")
+_ROUTER = re.compile(r"^(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.gate\.weight$")
+
+
+def per_expert_hf_tensors(named: Iterable[Tuple[str, torch.Tensor]], m) -> Iterator[Tuple[str, torch.Tensor]]:
+    """A transformers model's tensors under the names its checkpoints use, which the engine takes:
+    a layer's fused experts (``gate_up_proj`` E × 2I × H with the gate rows first, ``down_proj``
+    E × H × I) split into each expert's gate, up and down matrices (views, no copy), and the router
+    under the family's checkpoint name (Mixtral's ``block_sparse_moe``). Other tensors, and experts
+    already stored one by one, pass unchanged."""
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.hf_names import _MOE_HF
+
+    naming = get_family(m.family).moe_naming
+    if naming is None:
+        yield from named
+        return
+    router, gate, up, down = _MOE_HF[naming]
+    for name, tensor in named:
+        fused, routed = _FUSED_EXPERTS.match(name), _ROUTER.match(name)
+        if fused:
+            layer, which = fused.groups()
+            if tensor.dim() != 3 or tensor.shape[1 if which == "down_proj" else 2] != m.hidden_size:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} is not the layout this bench splits "
+                                 f"(E x 2I x H or E x H x I with H = {m.hidden_size})")
+            for e in range(tensor.shape[0]):
+                if which == "down_proj":
+                    yield f"{layer}.{down.format(e=e)}", tensor[e]
+                else:
+                    half = tensor.shape[1] // 2
+                    yield f"{layer}.{gate.format(e=e)}", tensor[e, :half]
+                    yield f"{layer}.{up.format(e=e)}", tensor[e, half:]
+        elif routed:
+            yield f"{routed.group(1)}.{router}", tensor
+        else:
+            yield name, tensor
+
+
+def build_hf_model(m, vocab: int):
+    """transformers' model of ``m``'s shape with random weights, built on the GPU directly (a 30 B
+    model initialised on the host would take minutes and its size in host memory)."""
+    import transformers
+
+    from megatron_rl.models.hf_config import hf_config_from_model
+
+    hf_dict = hf_config_from_model(m, vocab)
+    hf_cfg = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+    dtype = torch.bfloat16 if m.dtype == "bf16" else torch.float32
+    with torch.device("cuda" if ON_GPU else "cpu"):
+        return transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype).eval()
+
+
+def weights_to_host(hf_model, m) -> List[Tuple[str, torch.Tensor]]:
+    """The model's tensors in host memory under checkpoint names, one tensor moved at a time."""
+    return list(per_expert_hf_tensors(((k, v.detach().to("cpu")) for k, v in hf_model.state_dict().items()), m))
+
+
+def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optional[Sequence[Tuple[str, torch.Tensor]]],
                warmup_tokens: int = 4) -> Tuple[float, list]:
+    """Push ``weights`` (None: keep the engine's own random ones), warm up at this batch, then
+    time one batch of ``prompts``: (seconds, [(tokens, logprobs)] per prompt)."""
     from megatron_rl.rollout.embedded.engine import EngineStats
     from megatron_rl.types import SamplingParams
 
     async def go():
         params = SamplingParams(max_new_tokens=new_tokens, stream=False)
-        await engine.pause()
-        await engine.update_weights(weights, version=1)
-        await engine.resume()
+        if weights is not None:
+            await engine.pause()
+            await engine.update_weights(weights, version=1)
+            await engine.resume()
         # Warm-up at the measured batch: kernels compiled, the decode graph of this batch captured.
         warm = SamplingParams(max_new_tokens=warmup_tokens, stream=False)
         await asyncio.gather(*(engine.generate_n([f"warm{i}"], p, warm) for i, p in enumerate(prompts)))
@@ -87,10 +246,10 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights,
                 logprobs += chunk.logprobs
             return tokens, logprobs
 
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        torch.cuda.synchronize()
+        synchronize()
         return time.perf_counter() - start, out
 
     return asyncio.run(go())
@@ -117,14 +276,14 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
     params = SamplingParams(max_new_tokens=3 * steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         gen.prefill(prompts, params)
-        torch.cuda.synchronize()
+        synchronize()
     events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
     print(f"prefill of {len(prompts)} rows: kernels {sum(e.device_time_total for e in events) / 1e3:.1f} ms")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"    {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x {e.key[:110]}")
     for _ in range(2):
         gen.decode(params)
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(steps):
         gen.decode(params)
@@ -132,7 +291,7 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             gen.decode(params)
-        torch.cuda.synchronize()
+        synchronize()
     events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
     kernel_ms = sum(e.device_time_total for e in events) / steps / 1e3
     print(f"decode step at {len(prompts)} rows: wall {wall * 1e3:.2f} ms, kernels {kernel_ms:.2f} ms "
@@ -149,17 +308,70 @@ def hf_run(model, prompts: List[List[int]], new_tokens: int, runs: int = 2) -> L
 
 
 def _hf_once(model, prompts: List[List[int]], new_tokens: int) -> float:
-    ids = torch.tensor(prompts, device="cuda")
+    ids = torch.tensor(prompts, device=model.device)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, pad_token_id=0, eos_token_id=None,
                   attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
-        torch.cuda.synchronize()
+        synchronize()
         start = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
-        torch.cuda.synchronize()
+        synchronize()
     assert out.shape[1] == ids.shape[1] + new_tokens, out.shape
     return time.perf_counter() - start
+
+
+def parameter_count(m, vocab: int) -> int:
+    """Matmul weights plus an untied embedding (norms are negligible)."""
+    return matmul_params(m, vocab) + (0 if m.tie_word_embeddings else vocab * m.hidden_size)
+
+
+def learner_does_not_fit(m, vocab: int) -> Optional[str]:
+    """Why a learner for the logprob gap would not fit beside the engine, or None. Built, it holds
+    10 bytes per parameter (bf16 weights, fp32 gradient buffer and main weights; Adam's moments
+    come at the first optimizer step, which the gap does not take)."""
+    if not ON_GPU:
+        return None
+    need = 10 * parameter_count(m, vocab) + 4 * 2**30
+    free = torch.cuda.mem_get_info()[0]
+    if need <= free:
+        return None
+    return (f"a learner of {parameter_count(m, vocab) / 1e9:.1f} B parameters needs ~{need / 1e9:.0f} GB, "
+            f"{free / 1e9:.0f} GB are free beside the engine")
+
+
+def logprob_gap(cfg, vocab: int, engine, prompts: List[List[int]], out: list, rows: int) -> str:
+    """The engine/learner logprob gap over ``rows`` of the engine's responses, as one line; the
+    learner is freed before returning."""
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.types import Trajectory
+
+    reason = learner_does_not_fit(cfg.model, vocab)
+    if reason:
+        return f"engine/learner logprob gap not measured: {reason}"
+    learner = Learner(cfg, vocab_size=vocab)
+    learner.module.load_state_dict(engine.model.state_dict(), strict=False)
+    trajs = [Trajectory(f"p{i}", 0, prompts[i], out[i][0], out[i][1], [1] * len(out[i][0]), "length")
+             for i in range(min(rows, len(out)))]
+    mine = learner.compute_logprobs(trajs, 1.0)
+    drop_autograd_leftovers(learner)
+    learner = None
+    release_memory()
+    gaps = [abs(a - b) for t, lp in zip(trajs, mine) for a, b in zip(t.logprobs, lp)]
+    return (f"engine/learner {cfg.model.dtype} logprob gap over {len(gaps)} sampled tokens: mean "
+            f"{statistics.mean(gaps):.4f}, median {statistics.median(gaps):.4f}, max {max(gaps):.3f}")
+
+
+def moe_bound_line(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, variant: str, engine_tps: float,
+                   step_ms: float, dtype_bytes: int) -> str:
+    """The MoE decode-step bound at this batch and the engine's share of it, as one line."""
+    b = moe_decode_bound(m, vocab, batch, prompt_len, new_tokens, dtype_bytes=dtype_bytes)
+    return (f"MoE decode bound, batch {batch} ({variant}): {b.experts_per_layer:.1f} of {m.num_experts} experts "
+            f"per layer -> {b.expert_bytes / 1e9:.2f} GB of experts + {b.other_bytes / 1e9:.2f} GB of other weights "
+            f"+ {b.kv_bytes / 1e9:.2f} GB of KV cache per step at {MEASURED_TBS} TB/s = {1e3 * b.seconds:.2f} ms "
+            f"({b.tokens_per_s(batch):,.0f} tokens/s); engine {step_ms:.2f} ms/step = "
+            f"{100 * 1e3 * b.seconds / step_ms:.1f} % of it, {engine_tps:,.0f} tokens/s = "
+            f"{100 * engine_tps / b.tokens_per_s(batch):.1f} % of its tokens/s")
 
 
 def main() -> None:
@@ -167,9 +379,12 @@ def main() -> None:
     parser.add_argument("--batches", default="64,256")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the preset's, else 151936)")
     parser.add_argument("--recipe", default="gsm8k_qwen2_gpu")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a whole MoE model's shape (replaces --recipe)")
+    parser.add_argument("--skip-hf", action="store_true", help="no transformers model: the engine keeps its own weights")
+    parser.add_argument("--hf-calls", type=int, default=2, help="generate calls per batch")
     parser.add_argument("--gap-rows", type=int, default=16)
     parser.add_argument("--decode-attention", default="sdpa",
                         help="sdpa | efficient | triton | matmul (comma-separated to compare): the decode step's attention")
@@ -180,7 +395,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile the decode step at each batch")
     parser.add_argument("--profile-top", type=int, default=8, help="kernels listed per profiled batch")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
-    args = parser.parse_args()
+    args, overrides = parser.parse_known_args()
     if args.width_step:
         from megatron_rl.rollout.embedded import decode_graphs
 
@@ -190,80 +405,92 @@ def main() -> None:
 
     from megatron_rl.config import load_config
     from megatron_rl.learner.parallel import init_model_parallel
-    from megatron_rl.models.hf_config import hf_config_from_model
     from megatron_rl.rollout.embedded import EmbeddedEngine
 
-    cfg = load_config(args.recipe, ["trainer.progress=false",
-                                    f"model.max_position_embeddings={args.prompt_len + args.new_tokens + 8}"])
+    recipe, preset_overrides, preset_vocab = PRESETS[args.preset] if args.preset else (args.recipe, [], 151936)
+    vocab = args.vocab or preset_vocab
+    overrides = [*preset_overrides, *overrides]
+    cfg = load_config(recipe, ["trainer.progress=false", f"data.max_prompt_tokens={args.prompt_len}",
+                               f"rollout.max_new_tokens={args.new_tokens}",
+                               f"model.max_position_embeddings={args.prompt_len + args.new_tokens + 8}", *overrides])
+    m = cfg.model
+    dtype_bytes = 2 if m.dtype == "bf16" else 4
+    batches = [int(b) for b in args.batches.split(",")]
+    kv_gb = max(batches) * 2 * m.max_position_embeddings * kv_bytes_per_token(m, dtype_bytes) / 1e9
+    print(f"model: {args.preset or recipe} {' '.join(overrides)}: {parameter_count(m, vocab) / 1e9:.2f} B parameters, "
+          f"{parameter_count(m, vocab) * dtype_bytes / 1e9:.1f} GB of {m.dtype} weights; engine KV cache at batch "
+          f"{max(batches)}: {kv_gb:.1f} GB; transformers' model, then each engine, one at a time", flush=True)
     init_model_parallel(1, 1, seed=0)
     torch.manual_seed(0)
-    hf_dict = hf_config_from_model(cfg.model, args.vocab)
-    hf_cfg = transformers.AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
-    hf_model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16).cuda().eval()
-    weights = [(k, v.detach()) for k, v in hf_model.state_dict().items()]
     rng = random.Random(0)
-    rows, notes = [], []
-    gap_out = None
-    for batch in (int(b) for b in args.batches.split(",")):
-        prompts = [[rng.randrange(1, args.vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-        results = []
-        variants = [(g, a) for g in args.graphs.split(",") for a in args.decode_attention.split(",")]
-        for graphs, attention in variants:
-            use_decode_attention(attention)
-            engine = EmbeddedEngine(cfg.model, args.vocab, max_batch_size=batch, seed=0, cuda_graphs=graphs == "on")
-            took, out = engine_run(engine, prompts, args.new_tokens, weights, args.warmup_tokens)
-            tokens = sum(len(t) for t, _ in out)
-            assert tokens == batch * args.new_tokens, tokens
-            st = engine.stats
-            if args.profile:
-                profile_decode(engine, prompts, top=args.profile_top)
-            results.append((f"{graphs}/{attention}", tokens / took, st.prefill_s + st.admit_s,
-                            1e3 * st.decode_s / max(st.decode_steps, 1)))
-            if gap_out is None:
-                gap_out = (engine, prompts, out)
-            else:
+    prompts = {b: [[rng.randrange(1, vocab) for _ in range(args.prompt_len)] for _ in range(b)] for b in batches}
+
+    # transformers first; its weights then wait in host memory while the engines run.
+    hf_rates: Dict[int, List[float]] = {}
+    notes: List[str] = []
+    weights = None
+    if not args.skip_hf:
+        hf_model = build_hf_model(m, vocab)
+        device_memory("transformers' model built")
+        experts = getattr(hf_model.config, "_experts_implementation", None)
+        for batch in batches:
+            hf_rates[batch] = [batch * args.new_tokens / took
+                               for took in hf_run(hf_model, prompts[batch], args.new_tokens, args.hf_calls)]
+            notes.append(f"generate at batch {batch}, tokens/s per call: "
+                         + ", ".join(f"{r:,.0f}" for r in hf_rates[batch]))
+            print(notes[-1], flush=True)
+        if m.num_experts:
+            notes.append(f"transformers' experts implementation: {experts}")
+        weights = weights_to_host(hf_model, m)
+        hf_model = None
+        release_memory()
+        device_memory("transformers' model freed, its weights in host memory")
+
+    rows, moe_lines = [], []
+    gap_line = "no gap measured" if args.gap_rows else "gap not asked for (--gap-rows 0)"
+    gap_done = not args.gap_rows
+    for batch in batches:
+        hf_tps, hf_first = (max(hf_rates[batch]), hf_rates[batch][0]) if batch in hf_rates else (float("nan"),) * 2
+        roofline_tps = batch * args.new_tokens / roofline_seconds(m, vocab, batch, args.prompt_len, args.new_tokens,
+                                                                  dtype_bytes=dtype_bytes)
+        for graphs in args.graphs.split(","):
+            for attention in args.decode_attention.split(","):
+                use_decode_attention(attention)
+                engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, cuda_graphs=graphs == "on")
+                device_memory(f"engine for batch {batch} built")
+                took, out = engine_run(engine, prompts[batch], args.new_tokens, weights, args.warmup_tokens)
+                tokens = sum(len(t) for t, _ in out)
+                assert tokens == batch * args.new_tokens, tokens
+                st = engine.stats
+                device_memory(f"engine at batch {batch} after its run (KV cache, graphs)")
+                if args.profile:
+                    profile_decode(engine, prompts[batch], top=args.profile_top)
+                if not gap_done:
+                    gap_line, gap_done = logprob_gap(cfg, vocab, engine, prompts[batch], out, args.gap_rows), True
                 asyncio.run(engine.shutdown())
-                del engine
-            torch.cuda.empty_cache()
-        hf_tps = hf_first = float("nan")
-        if not args.skip_hf:
-            rates = [batch * args.new_tokens / took for took in hf_run(hf_model, prompts, args.new_tokens)]
-            hf_tps, hf_first = max(rates), rates[0]
-            notes.append(f"generate at batch {batch}, tokens/s per call: " + ", ".join(f"{r:,.0f}" for r in rates))
-        roofline_tps = batch * args.new_tokens / roofline_seconds(cfg.model, args.vocab, batch, args.prompt_len,
-                                                                  args.new_tokens)
-        for graphs, engine_tps, prefill_s, step_ms in results:
-            rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {graphs:>15} {engine_tps:>12.0f} "
-                        f"{prefill_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} {engine_tps / hf_tps:>7.2f}x "
-                        f"{engine_tps / hf_first:>7.2f}x "
-                        f"{roofline_tps:>13.0f} {100 * engine_tps / roofline_tps:>5.0f}%")
-            print(rows[-1], flush=True)
-    del hf_model
-    torch.cuda.empty_cache()
+                engine = None
+                release_memory()
+                engine_tps, step_ms = tokens / took, 1e3 * st.decode_s / max(st.decode_steps, 1)
+                variant = f"{graphs}/{attention}"
+                rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {variant:>15} {engine_tps:>12.0f} "
+                            f"{st.prefill_s + st.admit_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} "
+                            f"{engine_tps / hf_tps:>7.2f}x {engine_tps / hf_first:>7.2f}x "
+                            f"{roofline_tps:>13.0f} {100 * engine_tps / roofline_tps:>5.0f}%")
+                print(rows[-1], flush=True)
+                if m.num_experts:
+                    moe_lines.append(moe_bound_line(m, vocab, batch, args.prompt_len, args.new_tokens, variant,
+                                                    engine_tps, step_ms, dtype_bytes))
+                    print(moe_lines[-1], flush=True)
 
-    gap_line = "no gap measured"
-    if gap_out is not None and args.gap_rows:
-        from megatron_rl.learner.learner import Learner
-        from megatron_rl.types import Trajectory
-
-        engine, prompts, out = gap_out
-        learner = Learner(cfg, vocab_size=args.vocab)
-        learner.module.load_state_dict(engine.model.state_dict(), strict=False)
-        asyncio.run(engine.shutdown())
-        trajs = [Trajectory(f"p{i}", 0, prompts[i], out[i][0], out[i][1], [1] * len(out[i][0]), "length")
-                 for i in range(min(args.gap_rows, len(out)))]
-        mine = learner.compute_logprobs(trajs, 1.0)
-        gaps = [abs(a - b) for t, lp in zip(trajs, mine) for a, b in zip(t.logprobs, lp)]
-        gap_line = (f"engine/learner bf16 logprob gap over {len(gaps)} sampled tokens: mean {statistics.mean(gaps):.4f}, "
-                    f"median {statistics.median(gaps):.4f}, max {max(gaps):.3f}")
-
-    print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.recipe} shape, vocab "
-          f"{args.vocab}, bf16, T=1, no stop token ({torch.cuda.get_device_name()})")
+    device = torch.cuda.get_device_name() if ON_GPU else "CPU"
+    print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.preset or recipe} shape "
+          f"{' '.join(overrides)}, vocab {vocab}, {m.dtype}, T=1, no stop token ({device}); roofline at "
+          f"{PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBS} TB/s (datasheet)")
     print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs/decode':>15} {'engine tok/s':>12} {'prefill s':>9} "
           f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'vs 1st':>8} {'roofline tok/s':>13} {'of it':>6}")
     for line in rows:
         print(line)
-    for line in notes:
+    for line in moe_lines + notes:
         print(line)
     print(gap_line)
 
