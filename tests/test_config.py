@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,40 @@ def test_bad_values_name_the_key(override, fragment):
     message = str(info.value)
     assert fragment in message
     assert "\n" not in message
+
+
+RECIPES = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+# Recipes whose model is the checkpoint's (model.path required): their sizes come from it.
+NEED_A_CHECKPOINT = {"agent_calculator_gpu"}
+
+
+@pytest.mark.parametrize("recipe", [r for r in RECIPES if r not in NEED_A_CHECKPOINT])
+def test_every_recipe_loads_and_validates(recipe):
+    try:
+        cfg = load_config(recipe, ["trainer.progress=false"])
+    except ConfigError as err:
+        if "needs vLLM, which is not installed" in str(err):
+            pytest.skip(f"{recipe} needs vLLM")
+        raise
+    assert cfg.trainer.total_steps > 0
+
+
+def test_moe_gpu_recipe_is_qwen3_30b_a3b_cut_to_four_layers():
+    """gsm8k_qwen3_moe_gpu's model is Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B) but for the
+    layer count and the context, with gsm8k_qwen2_gpu's RL settings."""
+    from megatron_rl.models.hf_config import hf_config_from_model
+
+    cfg = load_config("gsm8k_qwen3_moe_gpu", ["trainer.progress=false"])
+    hf = hf_config_from_model(cfg.model, 151936)
+    qwen3_30b_a3b = dict(architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+                         moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                         num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+                         rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+                         decoder_sparse_step=1, mlp_only_layers=[], hidden_act="silu", vocab_size=151936)
+    assert {k: hf[k] for k in qwen3_30b_a3b} == qwen3_30b_a3b
+    assert hf["num_hidden_layers"] == 4 and cfg.model.dtype == "bf16" and cfg.rollout.engine == "embedded"
+    dense = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"])
+    assert (cfg.algo, cfg.data, cfg.rollout, cfg.learner) == (dense.algo, dense.data, dense.rollout, dense.learner)
 
 
 def test_unknown_recipe():
