@@ -199,3 +199,26 @@ def test_engine_gpu_bench_splits_fused_experts_as_checkpoints_store_them(tmp_pat
     assert any(".experts.0." in name for name in split)
     assert sorted(split) == sorted(on_disk)
     assert all(torch.equal(split[name], on_disk[name]) for name in on_disk)
+
+
+def test_engine_gpu_bench_moe_decode_bound_by_hand():
+    """The whole Qwen3-30B-A3B at batch 256 (512 + 256 tokens): 256 rows choosing 8 of 128 experts
+    touch all of them, so a decode step reads every expert (48 × 128 × 3 × 2048 × 768 bf16 values),
+    the rest of the weights and the KV cache (96 KiB per token) at 4.3 TB/s; one row reads 8
+    experts per layer."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from engine_gpu import moe_decode_bound
+
+    from megatron_rl.config import load_config
+
+    m = load_config("gsm8k_qwen3_moe_gpu", ["trainer.progress=false", "model.num_layers=48"]).model
+    bound = moe_decode_bound(m, 151936, 256, 512, 256)
+    experts = 48 * 128 * 3 * 2048 * 768 * 2
+    other = (48 * (18_874_368 + 2048 * 128) + 151936 * 2048) * 2
+    kv = 256 * 48 * 2 * 4 * 128 * 2 * (512 + 255 / 2)
+    assert bound.experts_per_layer == pytest.approx(128.0)
+    assert bound.expert_bytes == pytest.approx(experts) and bound.other_bytes == pytest.approx(other)
+    assert bound.kv_bytes == pytest.approx(kv)
+    assert bound.seconds == pytest.approx((experts + other + kv) / 4.3e12)  # ~17.8 ms
+    one = moe_decode_bound(m, 151936, 1, 512, 256)
+    assert one.experts_per_layer == pytest.approx(8.0)

@@ -366,11 +366,12 @@ def moe_bound_line(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, 
                    step_ms: float, dtype_bytes: int) -> str:
     """The MoE decode-step bound at this batch and the engine's share of it, as one line."""
     b = moe_decode_bound(m, vocab, batch, prompt_len, new_tokens, dtype_bytes=dtype_bytes)
+    share = f"{100 * 1e3 * b.seconds / step_ms:.1f} %" if step_ms > 0 else "n/a (no decode step)"
     return (f"MoE decode bound, batch {batch} ({variant}): {b.experts_per_layer:.1f} of {m.num_experts} experts "
             f"per layer -> {b.expert_bytes / 1e9:.2f} GB of experts + {b.other_bytes / 1e9:.2f} GB of other weights "
             f"+ {b.kv_bytes / 1e9:.2f} GB of KV cache per step at {MEASURED_TBS} TB/s = {1e3 * b.seconds:.2f} ms "
             f"({b.tokens_per_s(batch):,.0f} tokens/s); engine {step_ms:.2f} ms/step = "
-            f"{100 * 1e3 * b.seconds / step_ms:.1f} % of it, {engine_tps:,.0f} tokens/s = "
+            f"{share} of it, {engine_tps:,.0f} tokens/s = "
             f"{100 * engine_tps / b.tokens_per_s(batch):.1f} % of its tokens/s")
 
 
