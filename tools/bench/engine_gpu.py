@@ -274,7 +274,9 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
 
     gen = engine._gen
     params = SamplingParams(max_new_tokens=3 * steps)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    # Kernels on a GPU; on a CPU (a dry run of the bench) the profiler has no device to watch.
+    activities = [ProfilerActivity.CUDA if ON_GPU else ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         gen.prefill(prompts, params)
         synchronize()
     events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
@@ -288,7 +290,7 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
     for _ in range(steps):
         gen.decode(params)
     wall = (time.perf_counter() - start) / steps
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         for _ in range(steps):
             gen.decode(params)
         synchronize()
@@ -471,6 +473,7 @@ def main() -> None:
                 asyncio.run(engine.shutdown())
                 engine = None
                 release_memory()
+                device_memory("engine shut down and freed")
                 engine_tps, step_ms = tokens / took, 1e3 * st.decode_s / max(st.decode_steps, 1)
                 variant = f"{graphs}/{attention}"
                 rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {variant:>15} {engine_tps:>12.0f} "
