@@ -25,7 +25,10 @@ prefill's and the decode step's kernel time and heaviest kernels, per batch.
 (as long as the run: every graph the run needs is captured before it is timed).
 Then the engine/learner logprob gap in bf16: a learner with the same weights recomputes the
 logprobs of --gap-rows of the engine's sampled responses; mean and max |difference| per token
-(skipped, with the reason, when a learner with Adam's state would not fit beside the engine).
+(skipped, with the reason, when the learner would not fit beside the engine). For a mixture of
+experts whose engine records its routing (``rollout.record_routing``), twice: with the learner's
+own routing and replaying the engine's (``algo.routing_replay``), with the share of the engine's
+choices the learner's routers make themselves (``moe/router_agreement``).
 
 Mixture of experts: transformers 5 keeps a layer's experts fused in memory (``mlp.experts.
 gate_up_proj`` E × 2I × H, gate rows first; ``mlp.experts.down_proj`` E × H × I); the engine takes
@@ -224,8 +227,10 @@ def weights_to_host(hf_model, m) -> List[Tuple[str, torch.Tensor]]:
 def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optional[Sequence[Tuple[str, torch.Tensor]]],
                warmup_tokens: int = 4) -> Tuple[float, list]:
     """Push ``weights`` (None: keep the engine's own random ones), warm up at this batch, then
-    time one batch of ``prompts``: (seconds, [(tokens, logprobs)] per prompt)."""
+    time one batch of ``prompts``: (seconds, [(tokens, logprobs, routed experts or None)] per
+    prompt)."""
     from megatron_rl.rollout.embedded.engine import EngineStats
+    from megatron_rl.rollout.engine import whole_response
     from megatron_rl.types import SamplingParams
 
     async def go():
@@ -240,11 +245,8 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optio
         engine.stats = EngineStats()  # the table's prefill and step times are the measured run's
 
         async def one(i, ids):
-            tokens, logprobs = [], []
-            async for chunk in engine.generate(f"r{i}", ids, params):
-                tokens += chunk.token_ids
-                logprobs += chunk.logprobs
-            return tokens, logprobs
+            response = await whole_response(engine.generate(f"r{i}", ids, params))
+            return response.token_ids, response.logprobs, response.routed_experts
 
         synchronize()
         start = time.perf_counter()
@@ -342,26 +344,48 @@ def learner_does_not_fit(m, vocab: int) -> Optional[str]:
             f"{free / 1e9:.0f} GB are free beside the engine")
 
 
-def logprob_gap(cfg, vocab: int, engine, prompts: List[List[int]], out: list, rows: int) -> str:
-    """The engine/learner logprob gap over ``rows`` of the engine's responses, as one line; the
-    learner is freed before returning."""
-    from megatron_rl.learner.learner import Learner
+def bench_trajectories(prompts: List[List[int]], out: list, rows: int, routed: bool) -> list:
+    """The first ``rows`` responses as trajectories, with the engine's recorded routing or without."""
+    from megatron_rl.rollout.routed_experts import over_positions
     from megatron_rl.types import Trajectory
+
+    return [Trajectory(f"p{i}", 0, prompts[i], tokens, logprobs, [1] * len(tokens), "length",
+                       routed_experts=over_positions(routing, len(prompts[i]) + len(tokens)) if routed else None)
+            for i, (tokens, logprobs, routing) in enumerate(out[:rows])]
+
+
+def gap_line(what: str, trajs: Sequence, mine: Sequence[Sequence[float]], dtype: str) -> str:
+    gaps = [abs(a - b) for t, lp in zip(trajs, mine) for a, b in zip(t.logprobs, lp)]
+    return (f"engine/learner {dtype} logprob gap, {what}, over {len(gaps)} sampled tokens: mean "
+            f"{statistics.mean(gaps):.4f}, median {statistics.median(gaps):.4f}, max {max(gaps):.3f}")
+
+
+def logprob_gap(cfg, vocab: int, engine, prompts: List[List[int]], out: list, rows: int) -> List[str]:
+    """The engine/learner logprob gap over ``rows`` of the engine's responses, as lines: with the
+    learner's own routing and, for a mixture of experts whose engine recorded its routing, again
+    replaying it (``algo.routing_replay``), with the share of the engine's choices the learner's
+    routers make themselves. The learner is freed before returning."""
+    from megatron_rl.learner.learner import Learner
 
     reason = learner_does_not_fit(cfg.model, vocab)
     if reason:
-        return f"engine/learner logprob gap not measured: {reason}"
+        return [f"engine/learner logprob gap not measured: {reason}"]
     learner = Learner(cfg, vocab_size=vocab)
     learner.module.load_state_dict(engine.model.state_dict(), strict=False)
-    trajs = [Trajectory(f"p{i}", 0, prompts[i], out[i][0], out[i][1], [1] * len(out[i][0]), "length")
-             for i in range(min(rows, len(out)))]
-    mine = learner.compute_logprobs(trajs, 1.0)
+    plain = bench_trajectories(prompts, out, rows, routed=False)
+    lines = [gap_line("the learner's own routing", plain, learner.compute_logprobs(plain, 1.0), cfg.model.dtype)]
+    if any(routing is not None for _, _, routing in out[:rows]):
+        replayed = bench_trajectories(prompts, out, rows, routed=True)
+        mine = learner.compute_logprobs(replayed, 1.0)
+        agreement = learner.routing_stats.pop_metrics().get("moe/router_agreement", float("nan"))
+        what = ("replaying the engine's routing" if learner.replay_routing else
+                "the engine's routing recorded but not replayed (algo.routing_replay)")
+        lines.append(gap_line(what, replayed, mine, cfg.model.dtype)
+                     + f"; the learner's routers make {100 * agreement:.2f} % of the engine's choices")
     drop_autograd_leftovers(learner)
     learner = None
     release_memory()
-    gaps = [abs(a - b) for t, lp in zip(trajs, mine) for a, b in zip(t.logprobs, lp)]
-    return (f"engine/learner {cfg.model.dtype} logprob gap over {len(gaps)} sampled tokens: mean "
-            f"{statistics.mean(gaps):.4f}, median {statistics.median(gaps):.4f}, max {max(gaps):.3f}")
+    return lines
 
 
 def moe_bound_line(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, variant: str, engine_tps: float,
@@ -409,6 +433,7 @@ def main() -> None:
     from megatron_rl.config import load_config
     from megatron_rl.learner.parallel import init_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
+    from megatron_rl.rollout.embedded.engine import engine_options
 
     recipe, preset_overrides, preset_vocab = PRESETS[args.preset] if args.preset else (args.recipe, [], 151936)
     vocab = args.vocab or preset_vocab
@@ -450,7 +475,7 @@ def main() -> None:
         device_memory("transformers' model freed, its weights in host memory")
 
     rows, moe_lines = [], []
-    gap_line = "no gap measured" if args.gap_rows else "gap not asked for (--gap-rows 0)"
+    gap_lines = ["no gap measured" if args.gap_rows else "gap not asked for (--gap-rows 0)"]
     gap_done = not args.gap_rows
     for batch in batches:
         hf_tps, hf_first = (max(hf_rates[batch]), hf_rates[batch][0]) if batch in hf_rates else (float("nan"),) * 2
@@ -459,17 +484,18 @@ def main() -> None:
         for graphs in args.graphs.split(","):
             for attention in args.decode_attention.split(","):
                 use_decode_attention(attention)
-                engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, cuda_graphs=graphs == "on")
+                options = {**engine_options(cfg.rollout), "cuda_graphs": graphs == "on"}
+                engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, **options)
                 device_memory(f"engine for batch {batch} built")
                 took, out = engine_run(engine, prompts[batch], args.new_tokens, weights, args.warmup_tokens)
-                tokens = sum(len(t) for t, _ in out)
+                tokens = sum(len(t) for t, _, _ in out)
                 assert tokens == batch * args.new_tokens, tokens
                 st = engine.stats
                 device_memory(f"engine at batch {batch} after its run (KV cache, graphs)")
                 if args.profile:
                     profile_decode(engine, prompts[batch], top=args.profile_top)
                 if not gap_done:
-                    gap_line, gap_done = logprob_gap(cfg, vocab, engine, prompts[batch], out, args.gap_rows), True
+                    gap_lines, gap_done = logprob_gap(cfg, vocab, engine, prompts[batch], out, args.gap_rows), True
                 asyncio.run(engine.shutdown())
                 engine = None
                 release_memory()
@@ -494,9 +520,8 @@ def main() -> None:
           f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'vs 1st':>8} {'roofline tok/s':>13} {'of it':>6}")
     for line in rows:
         print(line)
-    for line in moe_lines + notes:
+    for line in moe_lines + notes + gap_lines:
         print(line)
-    print(gap_line)
 
 
 if __name__ == "__main__":
