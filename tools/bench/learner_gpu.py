@@ -89,7 +89,8 @@ def allocated_gib() -> float:
 
 def drop_autograd_leftovers(learner) -> None:
     """Let a dropped learner be collected. A tensor a module keeps from its last forward with its
-    autograd graph (megatron-core's MoE token dispatcher keeps ``probs``) holds, through that C++
+    autograd graph (megatron-core's MoE token dispatcher keeps ``probs``: SequentialMLP experts,
+    ``model.moe_grouped_experts=false``; seen on a CPU) holds, through that C++
     graph, the parameters' gradient-accumulator nodes, whose hooks close over the DDP module: a
     cycle Python's garbage collector cannot see, which keeps the whole model, its gradient
     buffers and its optimizer alive."""
