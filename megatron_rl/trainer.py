@@ -34,7 +34,9 @@ from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
+from .plugins import PluginError
 from .rewards import RewardRunner, score_groups
+from .rewards.runner import RewardFailing
 from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
@@ -175,8 +177,14 @@ class Trainer:
         self.prompts = CountingIterator(prompts)
         rc = cfg.reward
         reward_fn, reward_label = build_reward(rc)
-        self.rewards = RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label,
-                                    fallback=rc.fallback, min_value=rc.min_value, max_value=rc.max_value)
+        try:
+            # A reward failing for every sample of a batch's worth of groups in a row is broken
+            # (or its data is): the run stops naming it rather than training on fallback scores.
+            self.rewards = RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label,
+                                        fallback=rc.fallback, min_value=rc.min_value, max_value=rc.max_value,
+                                        max_abs=rc.max_abs, max_failing_groups=cfg.algo.groups_per_batch)
+        except PluginError as err:  # a reward the worker processes cannot be sent
+            raise ConfigError(str(err)) from None
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
@@ -330,7 +338,10 @@ class Trainer:
         trajs = list(trajs)
         if not getattr(self.workflow, "sets_rewards", False):  # agents return their runs' rewards
             with self.timeline.span("reward", group=ticket.index):
-                await self.score([p], [trajs])
+                try:
+                    await self.score([p], [trajs])
+                except (PluginError, RewardFailing) as err:  # every group would fail the same way: stop
+                    raise RolloutsStopped(str(err)) from None
         return trajs
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:

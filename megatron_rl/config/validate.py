@@ -159,6 +159,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             "rollout.max_batch_size", "algo.group_size", "algo.groups_per_batch",
             "trainer.total_steps", "reward.timeout_s", "reward.workers",
             "data.min_digits", "data.max_prompt_tokens", "learner.lr_decay_steps", "trainer.rank_timeout_s",
+            "reward.max_abs",
         ],
     )
     _positive(
