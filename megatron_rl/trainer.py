@@ -62,6 +62,11 @@ logger = logging.getLogger(__name__)
 ENGINE_REPORT_GRACE_S = 10.0
 
 
+class TrainingStopped(RolloutsStopped):
+    """The learner cannot go on (steps skipped for non-finite values, weights no longer finite):
+    the run stops like one whose rollouts cannot go on, with one line and no checkpoint."""
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -389,6 +394,9 @@ class Trainer:
         logger.info("resumed from %s: step %d, policy version %d", path, state["step"], self.version)
 
     async def save(self, step: int) -> Path:
+        if not await self.run_on_learners("weights_finite"):
+            raise TrainingStopped(f"the weights are not finite after step {step}; no checkpoint was written (the "
+                                  "newest one is the last good state): lower learner.lr, or check the rewards")
         engine_state = await self.engine.sampling_state()
         state = {
             "policy_version": self.version,
@@ -419,10 +427,23 @@ class Trainer:
                         step, cfg.total_steps, metrics["reward/mean"], metrics["train/loss"],
                         metrics["train/entropy"], metrics["response/length_mean"],
                         metrics["staleness/mean"], metrics["time/step_s"])
+        self.check_skipped_steps(metrics)
         if step < cfg.total_steps and await self.stop_requested():
             raise StopRequested(step, await self.save(step))
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
             await self.save(step)
+
+    def check_skipped_steps(self, metrics: Dict[str, float]) -> None:
+        """Stop when ``learner.max_skipped_steps`` optimizer steps in a row (policy or critic)
+        were skipped for a non-finite loss or gradient norm: the run is not training any more."""
+        limit = self.cfg.learner.max_skipped_steps
+        in_a_row = max(metrics.get("train/skipped_in_a_row", 0.0), metrics.get("critic/skipped_in_a_row", 0.0))
+        if limit and in_a_row >= limit:
+            raise TrainingStopped(
+                f"{int(in_a_row)} optimizer steps in a row were skipped for a non-finite loss or gradient norm "
+                f"(learner.max_skipped_steps={limit}); the run stopped with the weights of the last good step. "
+                "Look for a reward beyond reward.max_abs or a learning rate too high (learner.lr); the warnings "
+                "are in logs/train.log")
 
     async def _run(self) -> Dict[str, float]:
         cfg = self.cfg.trainer

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -239,3 +240,37 @@ def _alive(pid: int) -> bool:
             return fh.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_huge_reward_skips_the_steps_it_would_poison_and_stops_with_the_weights_finite(tmp_path):
+    """dr_grpo (no std normalisation) with rewards of 1e300 and reward.max_abs off: the advantages
+    overflow float32 and the loss is NaN. Each such optimizer step is skipped (counted, one
+    warning naming the cause), learner.max_skipped_steps in a row stop the run with one line, the
+    weights stay finite and no checkpoint is written with non-finite weights."""
+    from megatron_rl.config import load_config
+    from megatron_rl.config.validate import validate
+    from megatron_rl.trainer import Trainer, TrainingStopped
+
+    cfg = load_config("tiny_cpu", ["trainer.total_steps=6", f"trainer.run_dir={tmp_path}", "algo.name=dr_grpo",
+                                   "reward.fn=reward_functions:huge", "reward.max_abs=null", "learner.max_skipped_steps=2",
+                                   "scheduler.max_staleness=0", "trainer.checkpoint_interval=1", *SMALL])
+    trainer = Trainer(validate(cfg))
+    with pytest.raises(TrainingStopped) as err:
+        trainer.run()
+    assert str(err.value) == (
+        "2 optimizer steps in a row were skipped for a non-finite loss or gradient norm (learner.max_skipped_steps=2); "
+        "the run stopped with the weights of the last good step. Look for a reward beyond reward.max_abs or a "
+        "learning rate too high (learner.lr); the warnings are in logs/train.log")
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/skipped_steps"] for r in rows][-2:] == [1.0, 1.0], rows
+    log = (tmp_path / "logs" / "train.log").read_text()
+    assert "policy optimizer step skipped: the loss is nan and the gradient norm is not finite" in log
+    params = list(trainer.worker.learner.model.parameters())
+    assert all(torch.isfinite(p).all() for p in params)
+    # Belt and braces: weights that did turn non-finite are never written.
+    with torch.no_grad():
+        params[0].view(-1)[0] = float("nan")
+    assert not trainer.worker.weights_finite()
+    trainer.learner_executor = ThreadPoolExecutor(1)  # the run's own was shut down with it
+    with pytest.raises(TrainingStopped, match="the weights are not finite after step 9; no checkpoint was written"):
+        asyncio.run(trainer.save(9))

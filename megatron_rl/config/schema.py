@@ -138,6 +138,9 @@ class LearnerConfig:
     adam_eps: float = 1e-8
     # Gradient-norm clip; 0 disables.
     clip_grad: float = 1.0
+    # An optimizer step whose loss or gradient norm is not finite is skipped (counted in
+    # train/skipped_steps); this many skipped in a row stop the run (0: never stop).
+    max_skipped_steps: int = 5
     # Token budget of one micro-batch (prompt + response tokens, padding included).
     micro_batch_tokens: int = 4096
     # Without a pipeline, a batch is cut into micro-batches of similar lengths, trading padding

@@ -168,6 +168,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
          "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
          "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps", "learner.min_lr",
          "scheduler.max_ahead_batches", "learner.micro_batch_overhead_tokens", "reward.overlong_buffer", "critic.value_clip",
+         "learner.max_skipped_steps",
          "trainer.gpu_telemetry_interval_s"],
         strict=False,
     )
