@@ -180,16 +180,6 @@ class Trainer:
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        rc = cfg.reward
-        reward_fn, reward_label = build_reward(rc)
-        try:
-            # A reward failing for every sample of a batch's worth of groups in a row is broken
-            # (or its data is): the run stops naming it rather than training on fallback scores.
-            self.rewards = RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label,
-                                        fallback=rc.fallback, min_value=rc.min_value, max_value=rc.max_value,
-                                        max_abs=rc.max_abs, max_failing_groups=cfg.algo.groups_per_batch)
-        except PluginError as err:  # a reward the worker processes cannot be sent
-            raise ConfigError(str(err)) from None
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
@@ -218,14 +208,31 @@ class Trainer:
         self.stop_watch = StopWatch(self.run_dir)
         self.start_step = 1
         self._engine_sampling_state: Optional[bytes] = None
+        self.rewards = self.build_rewards()  # its worker processes start now, in the background
         if cfg.trainer.resume:
-            self.resume()  # last: the random states it restores must not be consumed by set-up
+            try:
+                self.resume()  # last: the random states it restores must not be consumed by set-up
+            except BaseException:
+                self.rewards.close()
+                raise
         # Events of steps after the checkpoint (a run that died past it) are dropped from TensorBoard.
         self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
         # Per-step GPU utilisation, memory, power, clocks (telemetry/gpu.py); empty without a GPU.
         self.gpu_telemetry = GpuTelemetry(cfg.trainer.gpu_telemetry_interval_s).start()
         self.trained = TrainedBatches(self.run_dir, first_step=self.start_step)
         logger.info("run directory: %s", self.run_dir)
+
+    def build_rewards(self) -> RewardRunner:
+        rc = self.cfg.reward
+        reward_fn, reward_label = build_reward(rc)
+        try:
+            # A reward failing for every sample of a batch's worth of groups in a row is broken
+            # (or its data is): the run stops naming it rather than training on fallback scores.
+            return RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label, fallback=rc.fallback,
+                                min_value=rc.min_value, max_value=rc.max_value, max_abs=rc.max_abs,
+                                max_failing_groups=self.cfg.algo.groups_per_batch)
+        except PluginError as err:  # a reward the worker processes cannot be sent
+            raise ConfigError(str(err)) from None
 
     async def run_on_learners(self, name: str, *args: Any) -> Any:
         """``LearnerWorker.<name>(*args)`` on every learner rank, from the learner thread (every

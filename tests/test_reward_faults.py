@@ -253,7 +253,7 @@ def test_a_huge_reward_skips_the_steps_it_would_poison_and_stops_with_the_weight
 
     cfg = load_config("tiny_cpu", ["trainer.total_steps=6", f"trainer.run_dir={tmp_path}", "algo.name=dr_grpo",
                                    "reward.fn=reward_functions:huge", "reward.max_abs=null", "learner.max_skipped_steps=2",
-                                   "scheduler.max_staleness=0", "trainer.checkpoint_interval=1", *SMALL])
+                                   "scheduler.max_staleness=0", *SMALL])
     trainer = Trainer(validate(cfg))
     with pytest.raises(TrainingStopped) as err:
         trainer.run()

@@ -123,19 +123,22 @@ class RewardRunner:
                 raise
             # Every worker was killed from outside (e.g. a TERM to the whole job): a fresh pool.
             logger.warning("%s: the reward worker pool stopped; starting a fresh one", self.name)
-            self._pool.stop()
+            self._stop_pool()
             self._pool = self._start_pool()
             return self._pool.schedule(score_items, args, timeout=hard_limit)
 
     def close(self) -> None:
         """Kill the workers (a hung one included) and wait for them: none outlives the run."""
         self._closed = True
+        self._stop_pool()
+        shutil.rmtree(self._progress_dir, ignore_errors=True)
+
+    def _stop_pool(self) -> None:
         self._pool.stop()
         try:
             self._pool.join(timeout=10)
         except TimeoutError:
             logger.warning("%s: reward workers did not stop within 10 s", self.name)
-        shutil.rmtree(self._progress_dir, ignore_errors=True)
 
     # ---------------------------------------------------------------- scoring
     async def score(self, completion: str, target: str) -> float:
@@ -155,7 +158,8 @@ class RewardRunner:
                 if kind == "stop":
                     raise PluginError(line)
         scored = [self._score(outcome, completion) for outcome, (completion, _) in zip(outcomes, items)]
-        self._count_group(all(not ok for _, ok in scored))
+        if scored:
+            self._count_group(all(not ok for _, ok in scored))
         return [score for score, _ in scored]
 
     async def _call(self, items: Sequence[Tuple[str, str]]) -> List[Outcome]:
