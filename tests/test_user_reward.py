@@ -130,11 +130,16 @@ def test_command_line_prints_one_line_and_exits_2(tmp_path, capsys):
                "in a row (the last: KeyError: 'no such field'); the run stopped. Fix the reward or the data: the "
                "errors are in logs/train.log"),
 ])
-def test_a_broken_reward_stops_the_run_with_one_line_naming_it(user_rewards, tmp_path, capsys, name, message):
+def test_a_broken_reward_stops_the_run_with_one_line_naming_it(user_rewards, tmp_path, capsys, monkeypatch, name,
+                                                              message):
     """Not after dozens of warnings and requeued prompts, and not blaming the engine."""
+    import logging
+
     from megatron_rl.main import main
 
     module, _ = user_rewards
+    # The run's console log handler writes to the captured stderr, closed after this test.
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
     status = main([f"reward.fn={module}:{name}", f"trainer.run_dir={tmp_path}", "trainer.total_steps=3",
                    "trainer.progress=false", "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1"])
     err = capsys.readouterr().err

@@ -99,6 +99,9 @@ class RewardRunner:
         self._poll_s = min(0.5, max(0.02, timeout_s / 10))
         self._progress_dir = Path(tempfile.mkdtemp(prefix="megatron_rl-rewards-"))
         self._call_ids = itertools.count()
+        # Groups waiting for this turn of the event loop to end, and the calls scoring them.
+        self._queued: List[Tuple[List[Tuple[str, str]], asyncio.Future]] = []
+        self._batches: set = set()
         self._closed = False
         self._pool = self._start_pool()
 
@@ -146,21 +149,69 @@ class RewardRunner:
         return (await self.score_many([(completion, target)]))[0]
 
     async def score_many(self, items: Sequence[Tuple[str, str]]) -> List[float]:
-        """Score (completion, target) pairs, in order, in one worker call (one process round
-        trip per group, not per completion). A call is hung when no pair finishes for
+        """Score (completion, target) pairs, in order, in one worker call (shared with the other
+        groups that ask at the same moment). A call is hung when no pair finishes for
         ``reward.timeout_s`` while it runs: its worker is killed, that pair scores ``fallback``
         (a timeout, counted) and the rest go to a fresh worker. A wrong return type raises
         PluginError; RewardFailing when every sample of too many groups in a row failed."""
+        outcomes = await self._together(items)
+        scored = [self._score(outcome, completion) for outcome, (completion, _) in zip(outcomes, items)]
+        if scored:
+            self._count_group(all(not ok for _, ok in scored))
+        return [score for score, _ in scored]
+
+    def _together(self, items: Sequence[Tuple[str, str]]) -> "asyncio.Future[List[Outcome]]":
+        """The outcomes of ``items``, scored in one worker call with every other group that asks
+        in the same turn of the event loop (the groups one engine step finished): a process
+        round trip costs a few thread hand-offs in this busy process, so one per step, not one
+        per group (measured on tiny_cpu, docs/rewards.md)."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._queued.append((list(items), waiter))
+        if len(self._queued) == 1:
+            loop.call_soon(self._dispatch)
+        return waiter
+
+    def _dispatch(self) -> None:
+        """One call per worker for the groups queued in this turn (so that several workers
+        still score at once)."""
+        queued, self._queued = self._queued, []
+        share = -(-len(queued) // self.workers)
+        for start in range(0, len(queued), share):
+            task = asyncio.ensure_future(self._score_batch(queued[start:start + share]))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _score_batch(self, batch: List[Tuple[List[Tuple[str, str]], asyncio.Future]]) -> None:
+        """Score the groups of ``batch`` in one list and hand each waiter its share."""
+        items = [item for group, _ in batch for item in group]
+        try:
+            outcomes = await self._outcomes(items)
+        except asyncio.CancelledError:
+            for _, waiter in batch:
+                waiter.cancel()
+            raise
+        except Exception as err:  # noqa: BLE001 - every group of the batch fails the same way
+            for _, waiter in batch:
+                if not waiter.done():
+                    waiter.set_exception(err)
+            return
+        start = 0
+        for group, waiter in batch:
+            if not waiter.done():  # a group cancelled meanwhile (the run stopping) takes nothing
+                waiter.set_result(outcomes[start:start + len(group)])
+            start += len(group)
+
+    async def _outcomes(self, items: Sequence[Tuple[str, str]]) -> List[Outcome]:
+        """Outcomes of ``items`` in order: calls until every pair has one (a hung or dead call
+        returns a prefix; the rest go to the next call). PluginError at a wrong return type."""
         outcomes: List[Outcome] = []
         while len(outcomes) < len(items):
             outcomes += await self._call(items[len(outcomes):])
             for kind, line in outcomes:
                 if kind == "stop":
                     raise PluginError(line)
-        scored = [self._score(outcome, completion) for outcome, (completion, _) in zip(outcomes, items)]
-        if scored:
-            self._count_group(all(not ok for _, ok in scored))
-        return [score for score, _ in scored]
+        return outcomes
 
     async def _call(self, items: Sequence[Tuple[str, str]]) -> List[Outcome]:
         """Outcomes of ``items`` in order from one worker call: all of them, or, when the call
