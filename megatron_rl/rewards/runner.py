@@ -164,7 +164,8 @@ class RewardRunner:
         """The outcomes of ``items``, scored in one worker call with every other group that asks
         in the same turn of the event loop (the groups one engine step finished): a process
         round trip costs a few thread hand-offs in this busy process, so one per step, not one
-        per group (measured on tiny_cpu, docs/rewards.md)."""
+        per group. Measured on tiny_cpu (16 groups a step, 2 cores): 0.30 s a step with the
+        rewards in threads, 0.35 s with one worker call per group, 0.32 s shared."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._queued.append((list(items), waiter))
