@@ -34,7 +34,9 @@ from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
 from .models.pretrained import vocab_size_for
+from .plugins import PluginError
 from .rewards import RewardRunner, score_groups
+from .rewards.runner import RewardFailing
 from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
@@ -58,6 +60,11 @@ logger = logging.getLogger(__name__)
 # How long a failed weight sync waits for an engine to report that it died (two health probes of
 # a vLLM engine) before it is taken for a failure of its own.
 ENGINE_REPORT_GRACE_S = 10.0
+
+
+class TrainingStopped(RolloutsStopped):
+    """The learner cannot go on (steps skipped for non-finite values, weights no longer finite):
+    the run stops like one whose rollouts cannot go on, with one line and no checkpoint."""
 
 
 def seed_everything(seed: int) -> None:
@@ -173,10 +180,6 @@ class Trainer:
         self.tokenizer.save(self.run_dir / "tokenizer.json")
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
-        rc = cfg.reward
-        reward_fn, reward_label = build_reward(rc)
-        self.rewards = RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label,
-                                    fallback=rc.fallback, min_value=rc.min_value, max_value=rc.max_value)
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
@@ -205,14 +208,31 @@ class Trainer:
         self.stop_watch = StopWatch(self.run_dir)
         self.start_step = 1
         self._engine_sampling_state: Optional[bytes] = None
+        self.rewards = self.build_rewards()  # its worker processes start now, in the background
         if cfg.trainer.resume:
-            self.resume()  # last: the random states it restores must not be consumed by set-up
+            try:
+                self.resume()  # last: the random states it restores must not be consumed by set-up
+            except BaseException:
+                self.rewards.close()
+                raise
         # Events of steps after the checkpoint (a run that died past it) are dropped from TensorBoard.
         self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
         # Per-step GPU utilisation, memory, power, clocks (telemetry/gpu.py); empty without a GPU.
         self.gpu_telemetry = GpuTelemetry(cfg.trainer.gpu_telemetry_interval_s).start()
         self.trained = TrainedBatches(self.run_dir, first_step=self.start_step)
         logger.info("run directory: %s", self.run_dir)
+
+    def build_rewards(self) -> RewardRunner:
+        rc = self.cfg.reward
+        reward_fn, reward_label = build_reward(rc)
+        try:
+            # A reward failing for every sample of a batch's worth of groups in a row is broken
+            # (or its data is): the run stops naming it rather than training on fallback scores.
+            return RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label, fallback=rc.fallback,
+                                min_value=rc.min_value, max_value=rc.max_value, max_abs=rc.max_abs,
+                                max_failing_groups=self.cfg.algo.groups_per_batch)
+        except PluginError as err:  # a reward the worker processes cannot be sent
+            raise ConfigError(str(err)) from None
 
     async def run_on_learners(self, name: str, *args: Any) -> Any:
         """``LearnerWorker.<name>(*args)`` on every learner rank, from the learner thread (every
@@ -330,7 +350,10 @@ class Trainer:
         trajs = list(trajs)
         if not getattr(self.workflow, "sets_rewards", False):  # agents return their runs' rewards
             with self.timeline.span("reward", group=ticket.index):
-                await self.score([p], [trajs])
+                try:
+                    await self.score([p], [trajs])
+                except (PluginError, RewardFailing) as err:  # every group would fail the same way: stop
+                    raise RolloutsStopped(str(err)) from None
         return trajs
 
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
@@ -378,6 +401,9 @@ class Trainer:
         logger.info("resumed from %s: step %d, policy version %d", path, state["step"], self.version)
 
     async def save(self, step: int) -> Path:
+        if not await self.run_on_learners("weights_finite"):
+            raise TrainingStopped(f"the weights are not finite after step {step}; no checkpoint was written (the "
+                                  "newest one is the last good state): lower learner.lr, or check the rewards")
         engine_state = await self.engine.sampling_state()
         state = {
             "policy_version": self.version,
@@ -408,10 +434,23 @@ class Trainer:
                         step, cfg.total_steps, metrics["reward/mean"], metrics["train/loss"],
                         metrics["train/entropy"], metrics["response/length_mean"],
                         metrics["staleness/mean"], metrics["time/step_s"])
+        self.check_skipped_steps(metrics)
         if step < cfg.total_steps and await self.stop_requested():
             raise StopRequested(step, await self.save(step))
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
             await self.save(step)
+
+    def check_skipped_steps(self, metrics: Dict[str, float]) -> None:
+        """Stop when ``learner.max_skipped_steps`` optimizer steps in a row (policy or critic)
+        were skipped for a non-finite loss or gradient norm: the run is not training any more."""
+        limit = self.cfg.learner.max_skipped_steps
+        in_a_row = max(metrics.get("train/skipped_in_a_row", 0.0), metrics.get("critic/skipped_in_a_row", 0.0))
+        if limit and in_a_row >= limit:
+            raise TrainingStopped(
+                f"{int(in_a_row)} optimizer steps in a row were skipped for a non-finite loss or gradient norm "
+                f"(learner.max_skipped_steps={limit}); the run stopped with the weights of the last good step. "
+                "Look for a reward beyond reward.max_abs or a learning rate too high (learner.lr); the warnings "
+                "are in logs/train.log")
 
     async def _run(self) -> Dict[str, float]:
         cfg = self.cfg.trainer

@@ -49,6 +49,9 @@ def user_rewards(tmp_path, monkeypatch):
 
         def returns_dict_without_reward(completion, target):
             return {{"score": 1.0}}
+
+        def raises(completion, target):
+            raise KeyError("no such field")
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "userpkg_rewards.scoring", log
@@ -94,7 +97,8 @@ def test_wrong_paths_and_signatures_are_one_line_config_errors(user_rewards):
 
 def test_wrong_return_values_stop_the_scoring_with_one_line(user_rewards):
     module, _ = user_rewards
-    for name, message in [("returns_text", "returned str '1.0'; return a float or a dict"),
+    for name, message in [("returns_text", "returned str '1.0'; return a float (an int, bool, numpy or torch scalar "
+                                           "will do) or a dict with a float 'reward'"),
                           ("returns_dict_without_reward", "returned a dict without 'reward' (keys: score)")]:
         runner = RewardRunner(load_user_reward(f"{module}:{name}"), timeout_s=30.0)
         try:
@@ -117,6 +121,30 @@ def test_command_line_prints_one_line_and_exits_2(tmp_path, capsys):
     assert main(["reward.fn=no_such_pkg_xyz.mod:score", f"trainer.run_dir={tmp_path}"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "megatron_rl: error: reward.fn='no_such_pkg_xyz.mod:score': module 'no_such_pkg_xyz' is not importable")
+
+
+@pytest.mark.parametrize("name, message", [
+    ("returns_text", "megatron_rl: error: reward.fn='userpkg_rewards.scoring:returns_text' returned str '1.0'; "
+                     "return a float (an int, bool, numpy or torch scalar will do) or a dict with a float 'reward'"),
+    ("raises", "megatron_rl: error: reward.fn userpkg_rewards.scoring:raises failed for every sample of 2 groups "
+               "in a row (the last: KeyError: 'no such field'); the run stopped. Fix the reward or the data: the "
+               "errors are in logs/train.log"),
+])
+def test_a_broken_reward_stops_the_run_with_one_line_naming_it(user_rewards, tmp_path, capsys, monkeypatch, name,
+                                                              message):
+    """Not after dozens of warnings and requeued prompts, and not blaming the engine."""
+    import logging
+
+    from megatron_rl.main import main
+
+    module, _ = user_rewards
+    # The run's console log handler writes to the captured stderr, closed after this test.
+    monkeypatch.setattr(logging.root, "handlers", list(logging.root.handlers))
+    status = main([f"reward.fn={module}:{name}", f"trainer.run_dir={tmp_path}", "trainer.total_steps=3",
+                   "trainer.progress=false", "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1"])
+    err = capsys.readouterr().err
+    assert status == 1 and err.strip().splitlines()[-1] == message, err[-2000:]
+    assert "engine" not in err and (tmp_path / "metrics.jsonl").read_text() == ""  # stopped before a step
 
 
 SQUARES = json.dumps([{"input": "3\n", "output": "9\n"}, {"input": "12\n", "output": "144"}])

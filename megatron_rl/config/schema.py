@@ -143,6 +143,9 @@ class LearnerConfig:
     adam_eps: float = 1e-8
     # Gradient-norm clip; 0 disables.
     clip_grad: float = 1.0
+    # An optimizer step whose loss or gradient norm is not finite is skipped (counted in
+    # train/skipped_steps); this many skipped in a row stop the run (0: never stop).
+    max_skipped_steps: int = 5
     # Token budget of one micro-batch (prompt + response tokens, padding included).
     micro_batch_tokens: int = 4096
     # Without a pipeline, a batch is cut into micro-batches of similar lengths, trading padding
@@ -371,21 +374,27 @@ class RewardConfig:
     # passes the target's JSON test cases in the sandbox); a name registered in REWARDS.
     name: str = "reverse_digits"
     # A reward of your own by import path, package.module:function, used instead of reward.name:
-    # called as fn(completion, target) (plain or async def), returning a float or a dict with a
-    # float 'reward'. None: reward.name chooses.
+    # called as fn(completion, target) (plain or async def) in a worker process, returning a number
+    # (float, int, bool, numpy or torch scalar) or a dict with one under 'reward'. None:
+    # reward.name chooses.
     fn: Optional[str] = None
-    # Seconds one completion's score may take. A group is scored in one worker call, which is hung
-    # when no completion finishes for this long: that one scores 0 (counted), the rest go on.
+    # Seconds one completion's score may take. A group is scored in one call to a worker process,
+    # which is hung when no completion finishes for this long: the worker is killed and replaced,
+    # that completion scores reward.fallback (counted), the rest go on.
     timeout_s: float = 10.0
-    # Worker threads scoring groups at once.
+    # Worker processes scoring groups at once.
     workers: int = 1
     # The score of a completion whose reward raised, timed out, or returned a value that is not a
-    # finite number within [min_value, max_value]; each such case is counted in reward/errors.
+    # finite number within [min_value, max_value] and max_abs; each such case is counted in
+    # reward/errors (reward/timeouts for a timeout).
     fallback: float = 0.0
     # Bounds a reward value must lie within (null: no bound); a value outside is an error.
     min_value: Optional[float] = None
     # Upper bound of a reward value (null: no bound).
     max_value: Optional[float] = None
+    # Largest |reward| accepted; a value beyond it is an error scored reward.fallback, so one
+    # absurd reward (1e300) cannot overflow the advantages and the loss (null: no bound).
+    max_abs: Optional[float] = 1.0e6
     # DAPO's soft overlong penalty: the last overlong_buffer tokens before rollout.max_new_tokens
     # cost up to overlong_penalty (linearly); 0 disables.
     overlong_buffer: int = 0

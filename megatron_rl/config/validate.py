@@ -191,6 +191,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             "rollout.max_batch_size", "algo.group_size", "algo.groups_per_batch",
             "trainer.total_steps", "reward.timeout_s", "reward.workers",
             "data.min_digits", "data.max_prompt_tokens", "learner.lr_decay_steps", "trainer.rank_timeout_s",
+            "reward.max_abs",
         ],
     )
     _positive(
@@ -199,6 +200,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
          "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
          "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps", "learner.min_lr",
          "scheduler.max_ahead_batches", "learner.micro_batch_overhead_tokens", "reward.overlong_buffer", "critic.value_clip",
+         "learner.max_skipped_steps",
          "trainer.gpu_telemetry_interval_s"],
         strict=False,
     )

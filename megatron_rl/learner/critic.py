@@ -23,8 +23,8 @@ from ..types import Trajectory
 from .batch import MicroBatch
 from .learner import forward_micro_batch
 from .parallel import init_model_parallel
-from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
-                            wrap_for_training)
+from .megatron_step import (finite_mean, local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs,
+                            set_lr, wrap_for_training)
 
 
 class Critic:
@@ -39,6 +39,7 @@ class Critic:
         model = build_value_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep, policy=init)
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", self.peak_lr)
         self.optimizer_steps = 0
+        self.skipped_in_a_row = 0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -69,6 +70,7 @@ class Critic:
         set_lr(self.optimizer, self.peak_lr * lr_scale)
         totals, grad_norms = minibatch_steps(trajs, self.cfg.learner, self._optimizer_step)
         tokens = max(totals.pop("tokens", 0.0), 1.0)
+        skipped = totals.pop("skipped_steps", 0.0)
         values, returns, mask = _padded(trajs, "values"), _padded(trajs, "returns"), _padded(trajs, "loss_mask")
         return {
             "critic/value_loss": totals["value_loss_sum"] / tokens,
@@ -78,7 +80,9 @@ class Critic:
             "critic/returns_mean": float((returns * mask).sum() / mask.sum().clamp(min=1)),
             # Of the critic before this update, on this batch: how much of the returns' variance it explains.
             "critic/explained_variance": explained_variance(values, returns, mask),
-            "critic/grad_norm": float(sum(grad_norms) / len(grad_norms)),
+            "critic/grad_norm": finite_mean(grad_norms),
+            "critic/skipped_steps": skipped,
+            "critic/skipped_in_a_row": float(self.skipped_in_a_row),
             "critic/lr": self.peak_lr * lr_scale,
         }
 
@@ -87,6 +91,7 @@ class Critic:
                                           local_micro_batches(trajs, self.cfg.learner, self.pad_id),
                                           self._loss_step, what="critic")
         self.optimizer_steps += 1
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats["skipped_steps"] else 0
         return stats, grad_norm
 
     def _loss_step(self, data_iterator, model):

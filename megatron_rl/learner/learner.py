@@ -27,8 +27,8 @@ from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch
 from .logprobs import token_logprobs, token_logprobs_and_entropy
-from .megatron_step import (local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs, set_lr,
-                            wrap_for_training)
+from .megatron_step import (finite_mean, local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs,
+                            set_lr, weights_finite, wrap_for_training)
 from .parallel import init_model_parallel
 from .routing_stats import RoutingStats
 
@@ -84,6 +84,7 @@ class Learner:
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
         self.optimizer_steps = 0
+        self.skipped_in_a_row = 0
         # Tests set this to compare the skipped proximal forward with the explicit one.
         self.force_proximal_forward = False
         self._proximal_in_forward = False
@@ -186,11 +187,16 @@ class Learner:
         set_lr(self.optimizer, lr)
         totals, grad_norms = minibatch_steps(trajs, cfg.learner, partial(self._optimizer_step, temperature=temperature))
         tokens = max(totals.pop("tokens", 0.0), 1.0)
+        skipped = totals.pop("skipped_steps", 0.0)
         metrics = {f"train/{k.removesuffix('_sum')}": v / tokens for k, v in totals.items()}
+        # Steps skipped for a non-finite loss or gradient norm, in this batch and in a row (the
+        # trainer stops at learner.max_skipped_steps in a row).
+        metrics["train/skipped_steps"] = skipped
+        metrics["train/skipped_in_a_row"] = float(self.skipped_in_a_row)
         metrics["train/clip_fraction"] = metrics.pop("train/clipped_tokens")
         if "train/capped_tokens" in metrics:
             metrics["train/capped_fraction"] = metrics.pop("train/capped_tokens")
-        metrics["train/grad_norm"] = float(sum(grad_norms) / len(grad_norms))
+        metrics["train/grad_norm"] = finite_mean(grad_norms)
         metrics["train/lr"] = lr
         if self.routing_stats is not None:  # collective over the stages and replicas: every rank
             metrics.update(self.routing_stats.pop_metrics())
@@ -203,6 +209,7 @@ class Learner:
                                               local_micro_batches(trajs, self.cfg.learner, self.pad_id),
                                               partial(self._loss_step, temperature=temperature))
         self.optimizer_steps += 1
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats["skipped_steps"] else 0
         return stats, grad_norm
 
     def _loss_step(self, data_iterator, model, temperature: float):
@@ -238,6 +245,10 @@ class Learner:
         return objective, denominator.round().to(torch.int), stats
 
     # ---------------------------------------------------------------- weights out
+    def weights_finite(self) -> bool:
+        """Whether every weight of the policy on every learner rank is finite (collective)."""
+        return weights_finite(self.model)
+
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Full tensors under Hugging Face names (single-rank layout: TP=PP=EP=1)."""
         for name, tensor in self.module.state_dict().items():

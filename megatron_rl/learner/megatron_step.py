@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,15 +96,73 @@ def optimizer_step(model: torch.nn.Module, optimizer, mbs: Sequence[MicroBatch],
         forward_step_func=step_fn, data_iterator=iter(mbs), model=[model], num_microbatches=len(mbs),
         seq_length=mbs[0].seq_len, micro_batch_size=mbs[0].tokens.shape[0], forward_only=False,
     )
-    ok, grad_norm, _ = optimizer.step()
-    if not ok:
-        logger.warning("%s optimizer step skipped (non-finite gradients)", what)
     stats: Dict[str, float] = {}
     for out in outputs:  # loss statistics exist on the last pipeline stage only
         for k, v in out.items():
             stats[k] = stats.get(k, 0.0) + float(v)
-    stats = sum_over_replicas(from_last_stage(stats))
+    stats = sum_over_replicas(from_last_stage(stats))  # the same on every learner rank
+    # Megatron's optimizer finds inf/NaN gradients only under fp16 loss scaling; in bf16 and fp32
+    # it would apply them, and one step of NaN gradients makes every weight NaN for good.
+    cause = nonfinite_cause(model, stats.get("loss_sum"))
+    ok = cause is None
+    if ok:
+        ok, grad_norm, _ = optimizer.step()
+        cause = None if ok else "non-finite gradients (fp16 loss scaling)"
+    if not ok:
+        logger.warning("%s optimizer step skipped: %s; the weights stay as they were", what, cause)
+        grad_norm = None
+    stats["skipped_steps"] = 0.0 if ok else 1.0
     return stats, float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def nonfinite_cause(model: torch.nn.Module, loss_sum: Optional[float]) -> Optional[str]:
+    """Why the optimizer step must not be taken: a non-finite loss or gradient on any learner
+    rank (None: it may be). Every rank gets the same answer, so all of them skip together (the
+    loss sum is already the same on every rank)."""
+    problems = []
+    if loss_sum is not None and not math.isfinite(loss_sum):
+        problems.append(f"the loss is {loss_sum}")
+    if _on_any_rank(model, [~torch.isfinite(g).all() for g in _gradients(model)]):
+        problems.append("the gradient norm is not finite")
+    return " and ".join(problems) or None
+
+
+def weights_finite(model: torch.nn.Module) -> bool:
+    """Whether every weight on every learner rank is finite (a collective call)."""
+    return not _on_any_rank(model, [~torch.isfinite(p).all() for p in model.parameters()])
+
+
+def _on_any_rank(model: torch.nn.Module, local: List[torch.Tensor]) -> bool:
+    """Whether any of the boolean tensors ``local`` is true on any learner rank."""
+    device = next(model.parameters()).device
+    flag = torch.stack(local).any().float().reshape(1) if local else torch.zeros(1, device=device)
+    if torch.distributed.is_initialized():
+        from megatron.core import parallel_state as ps
+
+        # Every rank is in one model-parallel group and one data-parallel group, and these
+        # groups tile the learner ranks: a flag raised anywhere reaches every rank in two steps.
+        for group in (ps.get_model_parallel_group(), ps.get_data_parallel_group(with_context_parallel=True)):
+            if torch.distributed.get_world_size(group) > 1:
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+    return flag.item() > 0
+
+
+def _gradients(model: torch.nn.Module) -> List[torch.Tensor]:
+    """The gradient tensors of a DDP-wrapped model: its contiguous gradient buffers (one check
+    each), else each parameter's gradient."""
+    # Megatron's DDP keeps lists here (a plain Module's ``buffers`` is a method).
+    buffers = [b for name in ("buffers", "expert_parallel_buffers")
+               if isinstance(getattr(model, name, None), list) for b in getattr(model, name)]
+    if buffers and all(hasattr(b, "grad_data") for b in buffers):
+        return [b.grad_data for b in buffers]
+    grads = (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad for p in model.parameters())
+    return [g for g in grads if g is not None]
+
+
+def finite_mean(values: Sequence[float]) -> float:
+    """Mean of the finite values (a skipped step's gradient norm is NaN); NaN when none is."""
+    finite = [v for v in values if math.isfinite(v)]
+    return float(sum(finite) / len(finite)) if finite else float("nan")
 
 
 def set_lr(optimizer, lr: float) -> None:

@@ -143,6 +143,14 @@ class LearnerWorker:
             asyncio.run_coroutine_threadsafe(engine.sleep(), loop).result()
 
     # ---------------------------------------------------------------- checkpoints
+    def weights_finite(self) -> bool:
+        """Whether every weight (policy and critic) on every learner rank is finite; the driver
+        asks before each checkpoint, so none is ever written with NaN or inf weights."""
+        from .megatron_step import weights_finite
+
+        finite = self.learner.weights_finite()
+        return (weights_finite(self.critic.model) and finite) if self.critic is not None else finite
+
     def save(self, root: str, step: int, state: Dict[str, Any], export_dir: Optional[str] = None,
              tokenizer_dir: Optional[str] = None) -> str:
         """One checkpoint of the whole learner (every rank writes its shards), and optionally its

@@ -77,6 +77,6 @@ async def judge(program: str, cases: Sequence[dict], limits: Optional[SandboxLim
 def code_tests(completion: str, target: str) -> float:
     """Reward: 1.0 when the completion's program passes every test case of ``target``.
 
-    Runs on a reward-pool worker thread (no event loop there), one sandboxed process per case."""
+    Runs in a reward worker process (no event loop there), one sandboxed process per case."""
     cases = parse_cases(target)
     return asyncio.run(judge(extract_program(completion), cases)).reward

@@ -9,9 +9,8 @@ Model output is hostile input: sympy evaluates integer powers and factorials eag
 LaTeX parser recurses on nesting, so one short answer like ``9^{9^{9}}`` could hold a worker (and
 the interpreter lock) for hours. Before anything is parsed the text is cut to its tail and the
 answer is checked for what makes parsing or evaluation explode (nesting depth, huge exponents
-and factorials, very long numbers); such an answer scores 0. math-verify's own timeouts use
-SIGALRM, which works only on the main thread; the reward pool runs scorers on worker threads, so
-they are off here and ``reward.timeout_s`` bounds a call instead.
+and factorials, very long numbers); such an answer scores 0. math-verify's own timeouts (SIGALRM)
+are off here: the reward pool kills the worker process of a call past ``reward.timeout_s``.
 """
 
 from __future__ import annotations
