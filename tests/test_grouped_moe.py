@@ -81,6 +81,22 @@ def test_grouped_linear_equals_a_loop_forward_and_backward_with_an_empty_expert(
     grouped_linear(x, w, ends).sum().backward()
 
 
+def test_counting_and_radix_sorts_by_expert_give_the_same_permutation(monkeypatch):
+    from megatron_rl.models import grouped_moe
+
+    gen = torch.Generator().manual_seed(3)
+    experts = torch.randint(0, 16, (300,), generator=gen)
+    experts[experts == 5] = 6  # an expert with no rows
+    counts = torch.bincount(experts, minlength=16).to(torch.int32)
+    ends = counts.cumsum(0, dtype=torch.int32)
+    counted = grouped_moe.rows_by_expert(experts, counts, ends)
+    monkeypatch.setattr(grouped_moe, "COUNTING_SORT_MAX", 0)
+    sorted_ = grouped_moe.rows_by_expert(experts, counts, ends)
+    assert torch.equal(counted[0], torch.argsort(experts, stable=True))
+    assert torch.equal(counted[0], sorted_[0]) and torch.equal(counted[1], sorted_[1])
+    assert torch.equal(counted[0][counted[1]], torch.arange(300))
+
+
 @pytest.mark.parametrize("router", list(ROUTERS))
 def test_grouped_experts_equal_sequential_mlp_forward_and_gradients(megatron_world, router):
     from megatron_rl.models.grouped_moe import GroupedExperts, GroupedMoELayer

@@ -91,6 +91,35 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torc
     return torch.cat(parts) if parts else x.new_zeros(0, w.size(1))
 
 
+# Below this many (rows x experts) the sort by expert counts instead of sorting: a decode step's
+# 2,048 rows over 128 experts; above it (prefill, training) a radix sort is cheaper.
+COUNTING_SORT_MAX = 1 << 22
+
+
+def rows_by_expert(expert_of_row: torch.Tensor, counts: torch.Tensor,
+                   ends: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse): ``order`` lists the rows grouped by expert, each expert's rows in row
+    order (a stable sort by expert id), and ``inverse[row]`` is the row's place in it. For few
+    rows the place is computed directly (the row's expert's start plus how many of that expert's
+    rows come before it: a cumulative count over an experts x rows table), fewer passes than the
+    radix sort in a decode step; both give the same permutation."""
+    rows, experts = expert_of_row.numel(), counts.numel()
+    arange = torch.arange(rows, device=expert_of_row.device)
+    if rows * experts > COUNTING_SORT_MAX:
+        order = torch.argsort(expert_of_row, stable=True)
+        inverse = torch.empty_like(order)
+        inverse[order] = arange
+        return order, inverse
+    # Experts x rows, counted along the rows: a scan along the inner dimension (one along the
+    # outer one, rows x experts, ran 0.36 ms per layer on an H200, slower than the sort).
+    one_hot = torch.arange(experts, device=expert_of_row.device)[:, None] == expert_of_row[None, :]
+    before = one_hot.cumsum(1, dtype=torch.int32).gather(0, expert_of_row[None, :]).squeeze(0) - 1
+    inverse = ((ends - counts)[expert_of_row] + before).long()
+    order = torch.empty_like(inverse)
+    order[inverse] = arange
+    return order, inverse
+
+
 class _RowsByExpert(torch.autograd.Function):
     """Each token's row repeated for its k experts, in expert order: ``x[order // k]``. Its
     gradient gathers the rows back to token order and sums each token's k (no atomic
@@ -245,11 +274,9 @@ class GroupedMoELayer(MoELayer):
         choice = torch.topk(routing_map.to(torch.int32), k, dim=1, sorted=False).indices.sort(dim=1).values
         if self.record_choices:
             self.choices = choice.to(choice_dtype(self.config.num_moe_experts))
-        expert_of_row = choice.reshape(-1)
-        order = torch.argsort(expert_of_row, stable=True)  # rows grouped by expert, tokens in order
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        ends = routing_map.sum(dim=0, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        counts = routing_map.sum(dim=0, dtype=torch.int32)
+        ends = counts.cumsum(0, dtype=torch.int32)
+        order, inverse = rows_by_expert(choice.reshape(-1), counts, ends)
         rows = _RowsByExpert.apply(x, order, inverse, k)
         row_probs = probs.gather(1, choice).reshape(-1).index_select(0, order)
         out = self.experts.compute(rows, ends, row_probs)

@@ -413,7 +413,7 @@ def main() -> None:
     parser.add_argument("--skip-hf", action="store_true", help="no transformers model: the engine keeps its own weights")
     parser.add_argument("--hf-calls", type=int, default=2, help="generate calls per batch")
     parser.add_argument("--gap-rows", type=int, default=16)
-    parser.add_argument("--decode-attention", default="sdpa",
+    parser.add_argument("--decode-attention", default="triton",
                         help="sdpa | efficient | triton | matmul (comma-separated to compare): the decode step's attention")
     parser.add_argument("--warmup-tokens", type=int, default=4,
                         help="tokens per request of the warm-up batch (--new-tokens: every width's graph captured)")
