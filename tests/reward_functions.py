@@ -109,3 +109,16 @@ def spins(completion, target):
     _first_time(f"spin-{os.getpid()}")
     while True:
         pass
+
+
+def hangs_every_29th_call(completion, target):
+    """digit_match; every 29th call (counted across worker processes in ``$REWARD_TEST_DIR/calls``)
+    first sleeps 3 s, longer than the tests' reward.timeout_s."""
+    with open(Path(os.environ["REWARD_TEST_DIR"]) / "calls", "a+") as fh:
+        fh.write("1\n")
+        fh.flush()
+        fh.seek(0)
+        calls = len(fh.readlines())
+    if calls % 29 == 0:
+        time.sleep(3)
+    return digit_match(completion, target)

@@ -79,25 +79,18 @@ def test_eta_two_learns_within_its_bound(tmp_path):
                for m in rows)
 
 
-def test_engine_aborts_and_hanging_rewards_lose_no_prompt(megatron_world, tmp_path):
+def test_engine_aborts_and_hanging_rewards_lose_no_prompt(megatron_world, tmp_path, monkeypatch):
     from megatron_rl.trainer import Trainer
 
+    # Every 29th reward call sleeps longer than reward.timeout_s: it must become a counted zero.
+    # (Rewards run in worker processes, which import the function by its path.)
+    monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
     cfg = load_config("tiny_cpu", [
         "trainer.total_steps=8", f"trainer.run_dir={tmp_path}", "trainer.progress=false",
         "trainer.save_final_checkpoint=false", "scheduler.max_staleness=2", "algo.groups_per_batch=4",
-        "algo.group_size=4", "reward.timeout_s=0.3", "reward.workers=2"])
+        "algo.group_size=4", "reward.timeout_s=0.3", "reward.workers=2",
+        "reward.fn=reward_functions:hangs_every_29th_call"])
     trainer = Trainer(cfg)
-
-    calls = Counter()
-    real_reward = trainer.rewards.fn
-
-    def sometimes_hangs(completion, target):
-        calls["n"] += 1
-        if calls["n"] % 29 == 0:
-            time.sleep(3)  # longer than reward.timeout_s: must become a counted zero
-        return real_reward(completion, target)
-
-    trainer.rewards.fn = sometimes_hangs
 
     real_rollout = trainer.rollout_group
 
