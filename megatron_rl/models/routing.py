@@ -47,11 +47,8 @@ def foreign_moe_layers(model: torch.nn.Module) -> int:
 def number_moe_layers(layers: Sequence[GroupedMoELayer]) -> None:
     """Set each layer's ``moe_index`` from its global layer number and the config's MoE pattern
     (``moe_layer_freq``: an int period or a 0/1 list over all layers)."""
-    config = layers[0].config
-    freq = config.moe_layer_freq
-    pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(config.num_layers)]
     index_of_layer, count = {}, 0
-    for number, is_moe in enumerate(pattern, start=1):
+    for number, is_moe in enumerate(moe_pattern(layers[0].config), start=1):
         if is_moe:
             index_of_layer[number] = count
             count += 1
@@ -59,12 +56,18 @@ def number_moe_layers(layers: Sequence[GroupedMoELayer]) -> None:
         layer.moe_index = index_of_layer[layer.layer_number]
 
 
-def num_moe_layers(config) -> int:
-    """How many MoE layers the whole model has (every pipeline stage)."""
+def moe_pattern(config) -> List[int]:
+    """1 for each MoE layer, 0 for each dense one, over all layers (megatron-core's
+    ``moe_layer_freq``: a 0/1 list, or an int period)."""
     freq = config.moe_layer_freq
     if isinstance(freq, (list, tuple)):
-        return int(sum(freq))
-    return len(range(0, config.num_layers, freq))
+        return [int(f) for f in freq]
+    return [int(i % freq == 0) for i in range(config.num_layers)]
+
+
+def num_moe_layers(config) -> int:
+    """How many MoE layers the whole model has (every pipeline stage)."""
+    return sum(moe_pattern(config))
 
 
 def record_routing(model: torch.nn.Module, on: bool = True) -> None:
