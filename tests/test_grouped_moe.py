@@ -116,6 +116,52 @@ def test_grouped_experts_equal_sequential_mlp_forward_and_gradients(megatron_wor
     assert sum(bool(seq_grads[n].abs().max() > 0) for n in experts) > len(experts) // 2
 
 
+def _graph_nodes(tensor: torch.Tensor) -> set:
+    """Names of the autograd nodes behind ``tensor``."""
+    seen, todo = set(), [tensor.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(n for n, _ in node.next_functions)
+    return {type(n).__name__ for n in seen}
+
+
+def test_expert_gradients_added_into_main_grad_equal_the_per_parameter_hooks(megatron_world):
+    """The learner's grouped experts add their weight gradients straight into the data-parallel
+    wrapper's main_grad buffers; the buffers hold what the per-parameter hooks would have added."""
+    from megatron_rl.config.schema import LearnerConfig
+    from megatron_rl.learner.learner import forward_logits
+    from megatron_rl.learner.megatron_step import wrap_for_training
+    from megatron_rl.models.grouped_moe import GroupedExperts
+
+    tokens = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
+    main_grads, expert_grads = [], []
+    for into_main_grad in (True, False):
+        model = _twin_models()[1]
+        wrapped, _ = wrap_for_training(model, LearnerConfig(), bf16=False, lr=1e-3)
+        experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
+        assert experts and all(m.into_main_grad for m in experts)  # switched on by the wrapper
+        for m in experts:
+            m.into_main_grad = into_main_grad
+        wrapped.zero_grad_buffer()
+        for _ in range(2):  # two micro-batches accumulate
+            logits = forward_logits(wrapped.train(), tokens)
+            loss = (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum()
+            assert ("_GroupedLinearIntoMainGradBackward" in _graph_nodes(loss)) == into_main_grad
+            loss.backward()
+        main_grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+        expert_grads.append([e.linear_fc1.weight.grad for m in experts for e in m.local_experts])
+    fused, hooked = main_grads
+    assert fused.keys() == hooked.keys()
+    for name, grad in hooked.items():
+        torch.testing.assert_close(fused[name], grad, atol=TOL, rtol=0, msg=name)
+    moved = [n for n in hooked if "local_experts" in n]
+    assert sum(bool(hooked[n].abs().max() > 0) for n in moved) > len(moved) // 2
+    assert all(g is None for g in expert_grads[0])  # no per-parameter gradient went through autograd
+
+
 def test_stacked_engine_weights_are_the_parameters(megatron_world):
     """The engine's stacked expert weights: the parameters are views of them, a state-dict copy
     (how engines load weights) lands in them, and the output equals the unstacked model's."""

@@ -19,8 +19,11 @@ import torch
 from ..compiled import CompiledOrEager
 
 # fp32 elements of one chunk's working tensors (a few of them are alive at once): 2**25 is 128 MB,
-# ~220 tokens of a 152k vocabulary; large enough that per-chunk kernel launches are noise.
+# ~220 tokens of a 152k vocabulary. On a GPU each chunk is a call of a compiled function whose
+# guards and launch cost ~0.3 ms of host time, more than its kernels take at that size (16k tokens:
+# 75 chunks, the GPU idle two thirds of the time), so chunks there are four times larger (512 MB).
 CHUNK_ELEMENTS = 2 ** 25
+CUDA_CHUNK_ELEMENTS = 2 ** 27
 
 
 def _tp_group():
@@ -134,11 +137,13 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temp
     """(log softmax(logits / T)[target], entropy of softmax(logits / T)) for logits [..., V_local]
     and integer targets [...], both fp32 of targets' shape and differentiable; full-vocabulary
     reductions under TP. Without ``with_entropy`` the entropy is not computed (zeros).
-    ``chunk_elements``: fp32 elements per chunk, ``CHUNK_ELEMENTS`` (read at call time) if None."""
+    ``chunk_elements``: fp32 elements per chunk, ``CHUNK_ELEMENTS`` (``CUDA_CHUNK_ELEMENTS`` for
+    logits on a GPU; read at call time) if None."""
     shape = targets.shape
     flat = logits.reshape(-1, logits.shape[-1])
+    default = CUDA_CHUNK_ELEMENTS if logits.is_cuda else CHUNK_ELEMENTS
     logprobs, entropy = _ChunkedLogprobEntropy.apply(flat, targets.reshape(-1), float(temperature),
-                                                     int(chunk_elements or CHUNK_ELEMENTS), bool(with_entropy))
+                                                     int(chunk_elements or default), bool(with_entropy))
     return logprobs.view(shape), entropy.view(shape)
 
 

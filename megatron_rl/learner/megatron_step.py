@@ -28,6 +28,9 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from ..models.grouped_moe import accumulate_expert_grads_into_main_grad
+    from .multi_tensor import use_foreach_copies, use_foreach_kernels
+
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -49,6 +52,10 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
         ),
         [wrapped],
     )
+    use_foreach_kernels()
+    use_foreach_copies(optimizer)
+    if not ddp_config.overlap_grad_reduce:  # no per-parameter hook needs to see expert gradients
+        accumulate_expert_grads_into_main_grad(model)
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.grad_scale_func = optimizer.scale_loss
     if torch.cuda.is_available():
@@ -122,7 +129,9 @@ def nonfinite_cause(model: torch.nn.Module, loss_sum: Optional[float]) -> Option
     problems = []
     if loss_sum is not None and not math.isfinite(loss_sum):
         problems.append(f"the loss is {loss_sum}")
-    if _on_any_rank(model, [~torch.isfinite(g).all() for g in _gradients(model)]):
+    # The largest magnitude of each gradient buffer is inf or NaN exactly when some entry is:
+    # one read of the buffer, where isfinite().all() writes a boolean copy of it first.
+    if _on_any_rank(model, [~torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in _gradients(model)]):
         problems.append("the gradient norm is not finite")
     return " and ".join(problems) or None
 

@@ -73,12 +73,45 @@ class _GroupedLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = torch._grouped_mm(grad, w, offs=ends)
         if ctx.needs_input_grad[1]:
-            # Groups along the shared (row) dimension: grad_w[e] = grad[rows of e].T @ x[rows of e].
-            grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
-            # An expert with no rows gets a zero gradient (the kernel may leave it unwritten).
-            counts = torch.diff(ends, prepend=ends.new_zeros(1))
-            grad_w = torch.where((counts > 0)[:, None, None], grad_w, 0)
+            grad_w = _grouped_weight_grad(grad, x, ends)
         return grad_x, grad_w, None
+
+
+def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
+                         dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """grad_w[e] = grad[rows of e].T @ x[rows of e], zero for an expert with no rows, in
+    ``dtype`` (the inputs' if None)."""
+    # Groups along the shared (row) dimension.
+    grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
+    # An expert with no rows gets a zero gradient (the kernel may leave it unwritten). A
+    # [1, 1, 1] zero of ``dtype`` makes the same pass convert (type promotion), where a scalar
+    # would keep the matmul's dtype.
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return torch.where((counts > 0)[:, None, None], grad_w, grad_w.new_zeros((1, 1, 1), dtype=dtype or grad_w.dtype))
+
+
+class _GroupedLinearIntoMainGrad(torch.autograd.Function):
+    """``_GroupedLinear`` for weights wrapped by Megatron's data-parallel module: the weight
+    gradient is added straight into each expert's fp32 ``main_grad`` with one multi-tensor add.
+    Through autograd it would be split back over the 2 × experts parameters of the layer, each
+    with its own gradient-accumulation node, hook and add kernel (~1,000 of each per step for 4
+    layers of 128 experts: host-bound). ``w`` is the detached stack of the weights."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, main_grads) -> torch.Tensor:
+        ctx.save_for_backward(x, w, ends)
+        ctx.main_grads = main_grads
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, ends = ctx.saved_tensors
+        grad = grad.contiguous()
+        # In the buffers' dtype (fp32): the multi-tensor add takes its fused path only for lists of
+        # one dtype (mixed, it adds tensor by tensor).
+        grad_w = _grouped_weight_grad(grad, x, ends, ctx.main_grads[0].dtype)
+        torch._foreach_add_(ctx.main_grads, list(grad_w.unbind(0)))
+        return torch._grouped_mm(grad, w, offs=ends), None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -162,6 +195,9 @@ class GroupedExperts(SequentialMLP):
         # Set by stack_expert_weights (engine): stacked [experts, out, in] tensors the per-expert
         # weights are views of.
         self.stacked: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # Set by accumulate_expert_grads_into_main_grad (learner): weight gradients go straight
+        # into the data-parallel wrapper's main_grad buffers.
+        self.into_main_grad = False
 
     def _grouped_supported(self) -> bool:
         config = self.config
@@ -193,10 +229,28 @@ class GroupedExperts(SequentialMLP):
         """Expert outputs for rows ``x`` sorted by expert (``ends``: cumulative counts), each
         row's SwiGLU output scaled by its routing probability before the down projection, as
         megatron-core's MLP does for experts."""
+        if self._into_main_grad(x):
+            fc1s = [e.linear_fc1.weight for e in self.local_experts]
+            fc2s = [e.linear_fc2.weight for e in self.local_experts]
+            fc1 = torch.stack([w.detach() for w in fc1s])
+            fc2 = torch.stack([w.detach() for w in fc2s])
+            hidden = _GroupedLinearIntoMainGrad.apply(x, fc1, ends, [w.main_grad for w in fc1s])
+            hidden = self._swiglu_times_probs(hidden, probs)
+            return _GroupedLinearIntoMainGrad.apply(hidden, fc2, ends, [w.main_grad for w in fc2s])
         fc1, fc2 = self.weights()
         hidden = grouped_linear(x, fc1, ends)
         hidden = self._swiglu_times_probs(hidden, probs)
         return grouped_linear(hidden, fc2, ends)
+
+    def _into_main_grad(self, x: torch.Tensor) -> bool:
+        """Whether this forward's weight gradients go straight into ``main_grad``: switched on,
+        a forward that builds a graph through ``x`` (otherwise no backward would run to add them),
+        trainable weights with gradient buffers, grouped matmuls on this device."""
+        if not (self.into_main_grad and self.stacked is None and torch.is_grad_enabled() and x.requires_grad
+                and self.local_experts and grouped_mm_supported(x.dtype, x.device)):
+            return False
+        return all(getattr(w, "main_grad", None) is not None and w.requires_grad
+                   for e in self.local_experts for w in (e.linear_fc1.weight, e.linear_fc2.weight))
 
     def _swiglu_times_probs(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         if self.config.bias_activation_fusion:
@@ -308,6 +362,20 @@ def use_grouped_experts(spec) -> None:
         if getattr(experts, "module", None) is SequentialMLP:
             mlp.module = GroupedMoELayer
             experts.module = GroupedExperts
+
+
+def accumulate_expert_grads_into_main_grad(model: torch.nn.Module) -> int:
+    """Let every GroupedExperts of a model wrapped by megatron-core's DistributedDataParallel add
+    its weight gradients straight into the parameters' ``main_grad`` buffers, bypassing the
+    per-parameter hooks. Only for a wrapper that does not overlap gradient reduction with the
+    backward (its hooks then only add ``grad`` into ``main_grad``; the reduction reads the
+    buffers after the backward). Returns the number of layers switched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.into_main_grad = True
+            switched += 1
+    return switched
 
 
 @torch.no_grad()
