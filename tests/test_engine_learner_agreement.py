@@ -284,13 +284,16 @@ def test_a_groups_shared_prompt_is_prefilled_once(megatron_world):
     assert gap <= 1e-5, gap
 
 
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"])
-def test_engine_and_learner_logprobs_agree_for_moe(megatron_world, family):
+@pytest.mark.parametrize("family, static", [("qwen2_moe", False), ("qwen3_moe", False), ("mixtral", False),
+                                            ("deepseek_v3", False), ("deepseek_v3", True)],
+                         ids=["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3", "deepseek_v3-static"])
+def test_engine_and_learner_logprobs_agree_for_moe(megatron_world, family, static):
     """Every mixture-of-experts family (Qwen2-MoE's gated shared expert, Qwen3-MoE's dense first
     layer, Mixtral, DeepSeek-V3's sigmoid group routing with multi-latent attention): the engine's
-    logprobs (grouped experts routed on the device, a static MoE decode step where the attention
-    allows, routing recorded) equal the learner's for the same weights, and the engine returns
-    the routing of every position it computed."""
+    logprobs (grouped experts routed on the device, routing recorded) equal the learner's for the
+    same weights, and the engine returns the routing of every position it computed. ``static``:
+    the engine decodes with the static-shape step a CUDA graph replays on a GPU (run eagerly
+    here), for DeepSeek-V3 its multi-latent attention's own (models/mla.py)."""
     from megatron_rl.models.families import get_family
     from megatron_rl.models.hf_config import model_config_from_hf
 
@@ -303,8 +306,18 @@ def test_engine_and_learner_logprobs_agree_for_moe(megatron_world, family):
         for p in learner.model.parameters():
             p.add_(0.1 * torch.randn(p.shape, generator=gen).to(p.device))
 
+    static_steps = []
+
     async def run():
         engine = EmbeddedEngine(cfg.model, vocab, seed=3)
+        if static:
+            from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+            old = engine._gen
+            engine._gen = KVCachedGenerator(engine.model, old.max_batch_size, old.max_seq_len, engine.device,
+                                            seed=3, static_decode=True)
+            decoder = engine._gen._static
+            decoder.step = lambda *args, step=decoder.step: static_steps.append(1) or step(*args)
         await engine.pause()
         await engine.update_weights(learner.export_hf_weights(), version=1)
         await engine.resume()
@@ -315,6 +328,7 @@ def test_engine_and_learner_logprobs_agree_for_moe(megatron_world, family):
         return trajs, responses
 
     trajs, (routed,) = asyncio.run(run())
+    assert bool(static_steps) == static
     assert sum(len(t.response_ids) for t in trajs) == 8 * 16
     assert routed.routed_experts.shape == (len(trajs[1].prompt_ids) + 5 - 1, num_moe_layers_of(cfg.model),
                                            cfg.model.moe_router_topk)

@@ -16,12 +16,18 @@ from megatron_rl.types import SamplingParams
 from hf_helpers import FAMILY_CONFIGS, hf_config
 
 
+# DeepSeek-V3's test shape has a query latent (q_lora_rank); this variant projects the query in one
+# matmul (q_lora_rank=None, as DeepSeek-V2-Lite does).
+VARIANTS = {"deepseek_v3_no_q_lora": ("deepseek_v3", dict(q_lora_rank=None))}
+
+
 def _model(family: str):
     from megatron_rl.models.families import get_family
     from megatron_rl.models.gpt import build_gpt_model
     from megatron_rl.models.hf_config import model_config_from_hf
 
-    hf = {**hf_config(family).to_dict(), "architectures": [get_family(family).architecture]}
+    family, overrides = VARIANTS.get(family, (family, {}))
+    hf = {**hf_config(family, **overrides).to_dict(), "architectures": [get_family(family).architecture]}
     cfg, vocab = model_config_from_hf(hf)
     model = build_gpt_model(cfg, vocab, kv_attention=True).eval()
     with torch.no_grad():  # random, not Megatron's near-zero init, so every weight matters
@@ -33,7 +39,8 @@ def _model(family: str):
 
 def _script(model, static: bool):
     """Prefill rows of different lengths, decode across attention-width buckets, admit newcomers
-    while a finished row is compacted away, decode until the window slides."""
+    while a finished row is compacted away, decode until the window slides (multi-latent
+    attention's window never slides: its widths keep growing)."""
     from megatron_rl.models.gpt import model_device
     from megatron_rl.rollout.embedded.generator import KVCachedGenerator
 
@@ -47,7 +54,7 @@ def _script(model, static: bool):
     out += [gen.decode(params) for _ in range(14)]
     out.append(gen.admit([], [[22, 23, 24, 25, 26]], params))  # one row left: the window slides
     out += [gen.decode(params) for _ in range(24)]
-    assert gen.slides >= 1
+    assert gen.slides >= 1 or model.config.multi_latent_attention
     tokens = [t for step, _ in out for t in step]
     return tokens, torch.tensor([lp for _, step in out for lp in step]), _routing(out)
 
@@ -61,14 +68,15 @@ def _routing(out):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["matmul", "fused"])
-@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS))
+@pytest.mark.parametrize("family", sorted(FAMILY_CONFIGS) + sorted(VARIANTS))
 def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, monkeypatch, family, fused):
     """Widths of 8 slots: the script crosses several width buckets, runs 1..5 live rows in buckets
     of 8 (dead rows compute beside them), and slides the window (the width shrinks again).
     Mixtures of experts run theirs too (routing, sort by expert and combine on the device; the
-    routing each step records is the eager step's); multi-latent attention keeps the eager step. ``fused``: as on a GPU,
-    attention through torch's fused kernels and the static step's rotation and cache store as one
-    call (models/rope_store.py, its torch reference here)."""
+    routing each step records is the eager step's), and multi-latent attention (DeepSeek-V3, with
+    and without a query latent; YaRN RoPE and mscale) its own (models/mla.py). ``fused``: as on a
+    GPU, attention through torch's fused kernels and, for GQA, the static step's rotation and cache
+    store as one call (models/rope_store.py, its torch reference here)."""
     from megatron_rl.models import kv_attention
     from megatron_rl.models.kv_attention import CachedKVAttention, EngineSelfAttention
     from megatron_rl.rollout.embedded import decode_graphs
@@ -80,18 +88,12 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
     reference = kv_attention.rope_store_reference
     monkeypatch.setattr(kv_attention, "rope_store_reference", lambda *a: stores.append(1) or reference(*a))
     model = _model(family)
-    if not decode_graphs.static_decode_supported(model):  # these keep the eager step
-        from megatron_rl.models.gpt import model_device
-        from megatron_rl.rollout.embedded.generator import KVCachedGenerator
-
-        assert model.config.multi_latent_attention
-        gen = KVCachedGenerator(model, 4, 16, model_device(), static_decode=True)
-        assert gen._static is None
-        return
+    assert decode_graphs.static_decode_supported(model)
+    mla = model.config.multi_latent_attention
     tokens, logprobs, routing = _script(model, static=False)
     assert not stores  # the eager step rotates and stores as before
     static_tokens, static_logprobs, static_routing = _script(model, static=True)
-    assert bool(stores) == fused, len(stores)
+    assert bool(stores) == (fused and not mla), len(stores)
     assert static_tokens == tokens
     assert (routing is None) == (not model.config.num_moe_experts)
     if routing is not None:
@@ -214,7 +216,8 @@ def _has_bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3",
+                                    "deepseek_v3_no_q_lora"])
 def test_the_static_step_never_waits_for_the_host(megatron_world, family):
     """The static decode step (what a CUDA graph captures) reads no value on the host and makes
     no tensor whose size depends on values: for mixtures of experts the routing, the sort by

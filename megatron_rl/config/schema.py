@@ -205,8 +205,8 @@ class RolloutConfig:
     recompute_kv_on_update: bool = False
     # On a GPU, the embedded engine replays each decode step from a CUDA graph (one per batch and
     # cache-width bucket, captured on first use) instead of launching its ~2,000 kernels from
-    # Python; MoE too where its layers run on the grouped device path (bf16 on Hopper); multi-latent
-    # attention decodes eagerly. Ignored on a CPU.
+    # Python; MoE too where its layers run on the grouped device path (bf16 on Hopper), and
+    # multi-latent attention (DeepSeek-V3). Ignored on a CPU.
     cuda_graphs: bool = True
     # A mixture-of-experts embedded engine records each MoE layer's chosen experts for every
     # position it computes and returns them with the response (routing replay); no effect on

@@ -182,6 +182,11 @@ def decoder_spec(config, use_te: bool, kv_attention: bool = False, grouped_exper
 
         if supports_kv_attention(config):
             use_kv_attention(spec)
+        elif config.multi_latent_attention:
+            from .mla import supports_engine_mla, use_engine_mla
+
+            if supports_engine_mla(config):
+                use_engine_mla(spec)  # its decode step with static shapes
     return spec
 
 

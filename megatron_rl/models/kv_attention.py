@@ -22,7 +22,7 @@ the whole shared window however short its own sequence is. Here:
   200, 0.69 ms at 250; these matmuls 0.47 / 0.48 / 0.65).
 
 Only the engine's model uses these (``build_gpt_model(..., kv_attention=True)``); the learner's
-forward is unchanged. Multi-latent attention keeps Megatron's path.
+forward is unchanged. Multi-latent attention keeps Megatron's cache layout (models/mla.py).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ Cache = Tuple[torch.Tensor, torch.Tensor]
 
 class EngineKVContext(StaticInferenceContext):
     """The engine's KV cache. Layers using ``EngineSelfAttention`` live in ``layers`` (keys
-    rotated, [batch, groups, slots, dim]); any other attention (MLA) keeps Megatron's
-    ``key_value_memory_dict`` ([slots, batch, ...]). The row and slot operations cover both."""
+    rotated, [batch, groups, slots, dim]); any other attention (MLA, models/mla.py) keeps
+    Megatron's ``key_value_memory_dict`` ([slots, batch, ...]). The row and slot operations cover both."""
 
     def __init__(self, max_batch_size: int, max_sequence_length: int, model_config=None):
         super().__init__(max_batch_size, max_sequence_length)

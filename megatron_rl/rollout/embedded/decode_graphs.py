@@ -7,7 +7,8 @@ launch, but only if nothing in the step depends on host values that change betwe
 the step here has static shapes:
 
 - the new token's cache slot is a device tensor (``EngineKVContext.static_slot``): the keys'
-  rotation and the cache write read it on the device instead of slicing by the Python offset;
+  rotation and the cache write read it on the device instead of slicing by the Python offset
+  (multi-latent attention too: models/mla.py, ``EngineMLASelfAttention``);
 - attention reads a fixed number of slots (the offset rounded up to a bucket of ``WIDTH_STEP``)
   and masks the ones after the new token; masked slots get zero weight, so the logits are those
   of the exact-width step (up to float rounding);
@@ -148,22 +149,26 @@ class StaticDecoder:
 
 
 def static_decode_supported(model: torch.nn.Module) -> bool:
-    """Whether the model's decode step has static shapes: the engine's own KV attention
-    (models/kv_attention.py) and, in a mixture of experts, MoE layers that never wait for the
-    host (``GroupedMoELayer.without_host_sync``: at one expert- and tensor-parallel rank, grouped
-    matmuls that run on the weights' dtype and device, i.e. bf16 on Hopper, any float on a CPU).
-
-    Multi-latent attention (DeepSeek-V3) keeps Megatron's cache path, which is not static:
-    megatron-core's MultiLatentAttention slices its RoPE table and its cache ([slots, batch, ...])
-    by the Python offset ``sequence_len_offset``, reads every slot up to it (the width changes
-    each step) and takes a mask built for that width. A static MLA step needs the slot as a device
-    tensor in the query/key projection's RoPE lookup (megatron-core's
-    ``get_query_key_value_tensors``), a write at that slot and a bucketed read in the engine's
-    cache layout, as ``EngineSelfAttention`` does for the other attention: not written yet."""
+    """Whether the model's decode step has static shapes: the engine's own attention (GQA:
+    models/kv_attention.py; multi-latent attention: ``EngineMLASelfAttention`` in models/mla.py,
+    in every layer) and, in a mixture of experts, MoE layers that never wait for the host
+    (``GroupedMoELayer.without_host_sync``: at one expert- and tensor-parallel rank, grouped
+    matmuls that run on the weights' dtype and device, i.e. bf16 on Hopper, any float on a CPU)."""
     from ...models.kv_attention import supports_kv_attention
 
     config = getattr(model, "config", None)
-    if config is None or not supports_kv_attention(config):
+    if config is None:
+        return False
+    if config.multi_latent_attention:
+        from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+        from ...models.mla import EngineMLASelfAttention, supports_engine_mla
+
+        attention = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
+        if not (supports_engine_mla(config) and attention
+                and all(isinstance(m, EngineMLASelfAttention) for m in attention)):
+            return False
+    elif not supports_kv_attention(config):
         return False
     if not config.num_moe_experts:
         return True
