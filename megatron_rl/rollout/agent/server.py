@@ -328,10 +328,11 @@ class ChatServer:
             if status >= 500:
                 logger.warning("chat server: %s %s: %s", request.method, request.raw_path, err)
         except (ConnectionError, asyncio.IncompleteReadError) as err:
-            # The client went away mid-body (a truncated body): there is no one to answer.
-            logger.warning("chat server: %s %s: the client closed the connection before the whole body arrived "
-                           "(%s)", request.method, request.raw_path, err)
-            raise
+            # The connection was lost mid-body: the answer goes nowhere, the line says why.
+            logger.warning("chat server: %s %s: the connection was lost before the whole body arrived (%s)",
+                           request.method, request.raw_path, err)
+            answer, status = RequestError(400, "the connection was lost before the whole body arrived",
+                                          code="malformed_request").body(), 400
         except Exception as err:  # noqa: BLE001 - a server bug answers 500, never kills the run
             logger.exception("chat server: %s %s failed", request.method, request.raw_path)
             answer, status = {"error": {"message": repr(err), "type": "server_error", "param": None,
