@@ -12,8 +12,14 @@ sequence (re-encoding the model's own answer could split it into different token
 Only what agents need is served: ``POST .../chat/completions`` (not streamed) and
 ``GET .../models``. The run's sampling parameters (``rollout.temperature`` etc.) govern every
 call, so the behaviour logprobs are the ones the learner corrects for; a request's ``max_tokens``
-(or ``max_completion_tokens``) can only lower the run's ``rollout.max_new_tokens``. Plain
-asyncio HTTP/1.1 with keep-alive: no web framework to install, and it runs on the trainer's loop.
+(or ``max_completion_tokens``) can only lower the run's ``rollout.max_new_tokens``.
+
+Every call is its own engine request, ``<run id>-t<k>`` with ``k`` counting the run's calls in
+the order they arrive, so calls made concurrently inside one run are aborted one by one, and
+``abort_run`` reaches all of a run's calls in flight. Every refused request (malformed HTTP, a
+body that is not what the API allows, an unknown model) is answered with an HTTP 4xx status and
+OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``. HTTP is aiohttp's
+(``http.py``), on the trainer's event loop.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from ...types import SamplingParams
 from ..engine import EngineError, RolloutEngine, whole_response
@@ -34,14 +40,20 @@ from .trajectories import Turn
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "policy"
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            409: "Conflict", 500: "Internal Server Error", 503: "Service Unavailable"}
+# A request body that stops arriving for this long is answered 400 (truncated).
+BODY_TIMEOUT_S = 60.0
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    """A request the server refuses: its HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
         super().__init__(message)
-        self.status, self.kind = status, kind
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> Dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -55,30 +67,96 @@ class AgentRun:
     history: List[Tuple[str, List[int]]] = field(default_factory=list)
     # An engine call ended in "abort" (a stop or an interrupt): the run is void and retried.
     aborted: bool = False
+    # Engine requests made so far (the next call's id is <run id>-t<calls>) and those in flight.
+    calls: int = 0
+    in_flight: Set[str] = field(default_factory=set)
+    # The run is over (its agent returned or raised): calls still finishing are not recorded.
+    closed: bool = False
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else {dict: "object", list: "array", str: "string", bool: "boolean",
+                                         int: "integer", float: "number"}.get(type(value), type(value).__name__)
+
+
+def _positive_int(body: Dict[str, Any], key: str) -> Optional[int]:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RequestError(400, f"{key}={json.dumps(value)} is invalid: it must be an integer of at least 1",
+                           param=key, code="invalid_value")
+    return value
+
+
+def _check_messages(messages: Any) -> List[Dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, f"'messages' must be a non-empty array of message objects, got "
+                           f"{_kind(messages) if messages != [] else 'an empty array'}", param="messages")
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError(400, f"{where} must be an object with 'role' and 'content', got {_kind(message)}",
+                               param=where)
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise RequestError(400, f"{where}.role must be a string (system, user, assistant, tool), got "
+                               f"{_kind(role)}", param=f"{where}.role")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise RequestError(400, f"{where}.content must be a string, an array of content parts or null, got "
+                               f"{_kind(content)}", param=f"{where}.content")
+        if isinstance(content, list) and not all(isinstance(p, dict) for p in content):
+            raise RequestError(400, f"{where}.content: every content part must be an object like "
+                               '{"type": "text", "text": "..."}', param=f"{where}.content")
+        calls = message.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function", {}), dict) for c in calls)):
+            raise RequestError(400, f"{where}.tool_calls must be an array of objects with a 'function' object",
+                               param=f"{where}.tool_calls")
+    return messages
+
+
+def _check_tools(tools: Any) -> Optional[List[Dict[str, Any]]]:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError(400, f"'tools' must be an array of tool objects, got {_kind(tools)}", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict)
+                or not isinstance(function.get("name"), str) or not function["name"]):
+            raise RequestError(400, f"tools[{i}] must be an object {{\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"parameters\": ...}}", param=f"tools[{i}]")
+    return tools
 
 
 class ChatServer:
     """``await start()``, then ``open_run(run_id, params)`` per agent run, ``base_url(run_id)`` for
     its client and ``close_run(run_id)`` for its turns."""
 
-    def __init__(self, engine: RolloutEngine, tokenizer, max_context: int, host: str = "127.0.0.1"):
+    def __init__(self, engine: RolloutEngine, tokenizer, max_context: int, host: str = "127.0.0.1",
+                 models: Sequence[str] = (MODEL_NAME,), body_timeout_s: float = BODY_TIMEOUT_S):
         if tokenizer.chat_template is None:
             raise ValueError("an agent workflow needs a tokenizer with a chat template: set data.tokenizer=model "
                              "with a model.path whose tokenizer_config.json has a chat_template")
         self.engine, self.tokenizer, self.max_context, self.host = engine, tokenizer, max_context, host
+        self.models, self.body_timeout_s = tuple(models), body_timeout_s
         self.runs: Dict[str, AgentRun] = {}
         self.port: Optional[int] = None
-        self._server: Optional[asyncio.base_events.Server] = None
+        self._runner = None
+        self._aborts: Set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        if self._server is None:
-            self._server = await asyncio.start_server(self._connection, self.host, 0)
-            self.port = self._server.sockets[0].getsockname()[1]
+        if self._runner is None:
+            from .http import serve
+
+            self._runner, self.port = await serve(self._handle, self.host)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
 
     def base_url(self, run_id: str) -> str:
         return f"http://{self.host}:{self.port}/runs/{run_id}/v1"
@@ -88,7 +166,17 @@ class ChatServer:
         return run
 
     def close_run(self, run_id: str) -> AgentRun:
-        return self.runs.pop(run_id)
+        run = self.runs.pop(run_id)
+        run.closed = True
+        return run
+
+    async def abort_run(self, run: AgentRun, void: bool = True) -> None:
+        """Abort every engine request of ``run`` still in flight; ``void``: the run is aborted
+        (its later calls answer 409 and its group is retried)."""
+        if void:
+            run.aborted = True
+        if run.in_flight:
+            await self.engine.abort(sorted(run.in_flight))
 
     # ------------------------------------------------------------------ chat completions
     def encode_prompt(self, run: AgentRun, text: str) -> List[int]:
@@ -100,41 +188,74 @@ class ChatServer:
         rest = text[len(best[0]):]
         return list(best[1]) + (self.tokenizer.encode(rest) if rest else [])
 
-    async def complete(self, run: AgentRun, body: Dict[str, Any]) -> Dict[str, Any]:
+    def _aborted(self, run: AgentRun, request_id: Optional[str] = None) -> RequestError:
+        what = f"request {request_id} of run {run.run_id}" if request_id else f"run {run.run_id}"
+        return RequestError(409, f"{what} was aborted by the trainer (a stop or interrupt); the run will be run "
+                            "again", "aborted", code="aborted")
+
+    def check(self, body: Any) -> Tuple[List[Dict[str, Any]], Optional[List[Dict[str, Any]]], Optional[int]]:
+        """(messages, tools, max tokens asked) of a request body, or RequestError(400)."""
+        if not isinstance(body, dict):
+            raise RequestError(400, f"the body must be a JSON object (a chat completion request), got {_kind(body)}")
+        model = body.get("model")
+        if model not in self.models:
+            served = ", ".join(repr(m) for m in self.models)
+            said = "no 'model'" if model is None else f"model {json.dumps(model)}"
+            raise RequestError(400, f"{said} is not served here; the served model is {served} (what GET /v1/models "
+                               "lists)", param="model", code="model_not_found")
+        messages = _check_messages(body.get("messages"))
+        stream = body.get("stream")
+        if stream not in (None, False):
+            raise RequestError(400, "stream=true is not supported by the rollout server; leave it off"
+                               if stream is True else f"stream must be a boolean, got {_kind(stream)}", param="stream")
+        n = body.get("n")
+        if n is not None and (isinstance(n, bool) or n != 1):
+            raise RequestError(400, "n must be 1 (each call is one turn of one run)", param="n")
+        tools = _check_tools(body.get("tools"))
+        limits = [v for v in (_positive_int(body, "max_completion_tokens"), _positive_int(body, "max_tokens"))
+                  if v is not None]
+        return messages, tools, min(limits) if limits else None
+
+    async def complete(self, run: AgentRun, body: Any) -> Dict[str, Any]:
         if run.aborted:
-            raise RequestError(409, f"run {run.run_id} was aborted by the trainer (a stop or interrupt); "
-                               "it will be run again", "aborted")
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError(400, "'messages' must be a non-empty list")
-        if body.get("stream"):
-            raise RequestError(400, "stream=true is not supported by the rollout server; leave it off")
-        if body.get("n", 1) != 1:
-            raise RequestError(400, "n must be 1 (each call is one turn of one run)")
+            raise self._aborted(run)
+        messages, tools, limit = self.check(body)
         try:
-            text = self.tokenizer.chat_template.render(messages_for_template(messages), tools=body.get("tools"),
+            text = self.tokenizer.chat_template.render(messages_for_template(messages), tools=tools,
                                                       add_generation_prompt=True)
-        except ValueError as err:
-            raise RequestError(400, str(err)) from None
+        except (ValueError, TypeError, KeyError, AttributeError) as err:  # the template refused the messages
+            raise RequestError(400, str(err) or type(err).__name__, param="messages") from None
         prompt_ids = self.encode_prompt(run, text)
         room = self.max_context - len(prompt_ids)
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or run.params.max_new_tokens
-        if not isinstance(limit, int) or limit < 1:
-            raise RequestError(400, f"max_tokens={limit!r} must be a positive integer")
-        max_new = min(limit, run.params.max_new_tokens, room)
+        max_new = min(limit or run.params.max_new_tokens, run.params.max_new_tokens, room)
         if max_new <= 0:
             raise RequestError(400, f"the conversation is {len(prompt_ids)} tokens; the model's context is "
-                               f"{self.max_context} (model.max_position_embeddings)", "context_length_exceeded")
-        request_id = f"{run.run_id}-t{len(run.turns)}"
+                               f"{self.max_context} (model.max_position_embeddings)", param="messages",
+                               code="context_length_exceeded")
+        # One engine request per call, its id taken before the first await: concurrent calls of
+        # one run never share an id, so an abort finds each of them.
+        request_id = f"{run.run_id}-t{run.calls}"
+        run.calls += 1
+        run.in_flight.add(request_id)
         try:
             out = await whole_response(self.engine.generate(request_id, prompt_ids,
                                                             replace(run.params, max_new_tokens=max_new)))
         except EngineError as err:
-            raise RequestError(503, f"the engine failed: {err}", "engine_error") from None
+            raise RequestError(503, f"the engine failed: {err}", "engine_error", code="engine_error") from None
+        except asyncio.CancelledError:  # the call was given up (the server stopped): stop generating it
+            self._abort_later([request_id])
+            raise
+        finally:
+            run.in_flight.discard(request_id)
+        if run.closed:  # the agent ended its run without waiting for this call
+            raise RequestError(409, f"run {run.run_id} has ended; request {request_id} finished after it and is "
+                               "not recorded", "run_closed", code="run_closed")
         if out.finish_reason == "abort":
-            run.aborted = True
-            raise RequestError(409, f"request {request_id} was aborted by the trainer; the run will be run again",
-                               "aborted")
+            # The run is void: its other calls in flight are aborted too, not left generating.
+            await self.abort_run(run)
+            raise self._aborted(run, request_id)
+        if run.aborted:
+            raise self._aborted(run, request_id)
         run.turns.append(Turn(prompt_ids, out.token_ids, out.logprobs, out.versions, out.finish_reason,
                               routed_experts=out.routed_experts))
         run.history.append((text + self.tokenizer.decode_with_specials(out.token_ids), prompt_ids + out.token_ids))
@@ -145,71 +266,78 @@ class ChatServer:
             message["tool_calls"] = tool_calls
             finish = "tool_calls" if finish == "stop" else finish
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model") or MODEL_NAME,
+                "model": body["model"],
                 "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
                 "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(out.token_ids),
                           "total_tokens": len(prompt_ids) + len(out.token_ids)}}
 
-    async def _route(self, method: str, path: str, body: bytes) -> Dict[str, Any]:
+    def _abort_later(self, request_ids: List[str]) -> None:
+        task = asyncio.ensure_future(self.engine.abort(request_ids))
+        self._aborts.add(task)
+        task.add_done_callback(lambda t: (self._aborts.discard(t), t.cancelled() or t.exception()))
+
+    # ------------------------------------------------------------------ HTTP
+    async def route(self, method: str, path: str, body: bytes) -> Dict[str, Any]:
+        """The answer to one request (RequestError for every refusal)."""
         parts = path.split("?", 1)[0].strip("/").split("/")
         if len(parts) < 4 or parts[0] != "runs" or parts[2] != "v1":
-            raise RequestError(404, f"no route {path}; use the base URL the trainer gave this run")
+            raise RequestError(404, f"no route {path}; use the base URL the trainer gave this run", code="not_found")
         run = self.runs.get(parts[1])
         if run is None:
-            raise RequestError(404, f"run {parts[1]!r} is not open (it finished or was never started)")
+            raise RequestError(404, f"run {parts[1]!r} is not open (it finished or was never started)",
+                               code="not_found")
         endpoint = "/".join(parts[3:])
-        if endpoint == "models" and method == "GET":
-            return {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "owned_by": "megatron_rl"}]}
+        if endpoint == "models":
+            if method != "GET":
+                raise RequestError(405, "use GET for /v1/models", code="method_not_allowed")
+            return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "megatron_rl"}
+                                               for m in self.models]}
         if endpoint != "chat/completions":
-            raise RequestError(404, f"no endpoint /v1/{endpoint}; this server serves /v1/chat/completions")
+            raise RequestError(404, f"no endpoint /v1/{endpoint}; this server serves /v1/chat/completions and "
+                               "/v1/models", code="not_found")
         if method != "POST":
-            raise RequestError(405, "use POST for /v1/chat/completions")
+            raise RequestError(405, "use POST for /v1/chat/completions", code="method_not_allowed")
+        if not body.strip():
+            raise RequestError(400, "the body is empty; send a chat completion request as a JSON object")
         try:
-            payload = json.loads(body or b"{}")
+            payload = json.loads(body)
         except json.JSONDecodeError as err:
-            raise RequestError(400, f"the body is not JSON: {err.msg}") from None
+            raise RequestError(400, f"the body is not JSON: {err.msg} (line {err.lineno}, column {err.colno})") from None
+        except ValueError:  # not UTF-8
+            raise RequestError(400, "the body is not JSON: it is not UTF-8 text") from None
         return await self.complete(run, payload)
 
-    # ------------------------------------------------------------------ HTTP/1.1
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                request = await self._read_request(reader)
-                if request is None:
-                    break
-                method, path, body, keep_alive = request
-                try:
-                    status, answer = 200, await self._route(method, path, body)
-                except RequestError as err:
-                    status, answer = err.status, {"error": {"message": str(err), "type": err.kind, "code": err.kind}}
-                except Exception as err:  # noqa: BLE001 - a server bug answers 500, never kills the run
-                    logger.exception("chat server: %s %s failed", method, path)
-                    status, answer = 500, {"error": {"message": repr(err), "type": "server_error"}}
-                data = json.dumps(answer).encode()
-                writer.write(f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: application/json\r\n"
-                             f"Content-Length: {len(data)}\r\nConnection: {'keep-alive' if keep_alive else 'close'}"
-                             "\r\n\r\n".encode() + data)
-                await writer.drain()
-                if not keep_alive:
-                    break
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
-        finally:
-            writer.close()
+    async def _handle(self, request):
+        from aiohttp import web
 
-    @staticmethod
-    async def _read_request(reader: asyncio.StreamReader) -> Optional[Tuple[str, str, bytes, bool]]:
-        line = await reader.readline()
-        if not line:
-            return None
-        method, path, version = line.decode("latin-1").split(" ", 2)
-        headers: Dict[str, str] = {}
-        while True:
-            header = await reader.readline()
-            if header in (b"\r\n", b"\n", b""):
-                break
-            name, _, value = header.decode("latin-1").partition(":")
-            headers[name.strip().lower()] = value.strip()
-        body = await reader.readexactly(int(headers.get("content-length", 0) or 0))
-        keep_alive = headers.get("connection", "").lower() != "close" and version.strip() == "HTTP/1.1"
-        return method, path, body, keep_alive
+        from .http import json_response, read_body
+
+        unread = True  # the body was not read whole: the connection cannot carry another request
+        try:
+            try:
+                body = await read_body(request, self.body_timeout_s)
+                unread = False
+            except web.HTTPRequestEntityTooLarge as err:
+                raise RequestError(413, f"the body is larger than {err.max_size} bytes", code="body_too_large") \
+                    from None
+            except ValueError as err:
+                raise RequestError(400, str(err), code="malformed_request") from None
+            answer, status = await self.route(request.method, request.raw_path, body), 200
+        except RequestError as err:
+            answer, status = err.body(), err.status
+            if status >= 500:
+                logger.warning("chat server: %s %s: %s", request.method, request.raw_path, err)
+        except (ConnectionError, asyncio.IncompleteReadError) as err:
+            # The connection was lost mid-body: the answer goes nowhere, the line says why.
+            logger.warning("chat server: %s %s: the connection was lost before the whole body arrived (%s)",
+                           request.method, request.raw_path, err)
+            answer, status = RequestError(400, "the connection was lost before the whole body arrived",
+                                          code="malformed_request").body(), 400
+        except Exception as err:  # noqa: BLE001 - a server bug answers 500, never kills the run
+            logger.exception("chat server: %s %s failed", request.method, request.raw_path)
+            answer, status = {"error": {"message": repr(err), "type": "server_error", "param": None,
+                                        "code": None}}, 500
+        response = json_response(status, answer)
+        if unread:
+            response.force_close()
+        return response

@@ -9,8 +9,9 @@ An agent is either
   with ``megatron_rl.rollout.agent.openai_client()`` (or reads ``base_url()``) inside the run.
 
 ``data`` is a dict: ``uid``, ``question`` (the dataset's prompt field), ``prompt`` (after
-``data.template``) and ``answer`` (the target). Requests are tagged ``<group tag>-<i>-t<turn>``
-so the trainer's abort reaches them; a run with an aborted call fails its group, whose prompt
+``data.template``) and ``answer`` (the target). Each model call is its own engine request,
+tagged ``<group tag>-<i>-t<k>`` (the run's k-th call), so the trainer's abort reaches every call
+in flight, concurrent ones included; a run with an aborted call fails its group, whose prompt
 goes back to the queue like a single-turn group's.
 """
 
@@ -156,6 +157,9 @@ class AgentWorkflow:
         finally:
             _BASE_URL.reset(token)
             server.close_run(request_id)
+            # Calls the agent left running (it returned, raised or was cancelled without awaiting
+            # them) stop generating; they are not recorded.
+            await server.abort_run(run, void=False)
             if client is not None:
                 await client.close()
         return self.trajectories(run, prompt, index, reward)
