@@ -29,6 +29,8 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from ..compiled import CompiledOrEager
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 # Expert ids fit one byte below this many experts (255 marks "unrecorded"); more need two.
@@ -77,17 +79,25 @@ class _GroupedLinear(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def _zero_unrouted(grad_w: torch.Tensor, routed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``grad_w`` in ``dtype`` with the experts that got no rows zeroed."""
+    return torch.where(routed[:, None, None], grad_w, 0).to(dtype)
+
+
+# One pass on a GPU (eagerly, the conversion and the selection are two: ~14 bytes moved per
+# weight instead of 6, ~4 ms per step for 4 layers of 128 Qwen3-30B-A3B experts).
+_ZERO_UNROUTED = CompiledOrEager(_zero_unrouted, "expert weight-gradient conversion")
+
+
 def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
                          dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """grad_w[e] = grad[rows of e].T @ x[rows of e], zero for an expert with no rows, in
     ``dtype`` (the inputs' if None)."""
     # Groups along the shared (row) dimension.
     grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
-    # An expert with no rows gets a zero gradient (the kernel may leave it unwritten). A
-    # [1, 1, 1] zero of ``dtype`` makes the same pass convert (type promotion), where a scalar
-    # would keep the matmul's dtype.
+    # An expert with no rows gets a zero gradient (the kernel may leave it unwritten).
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return torch.where((counts > 0)[:, None, None], grad_w, grad_w.new_zeros((1, 1, 1), dtype=dtype or grad_w.dtype))
+    return _ZERO_UNROUTED(grad_w, counts > 0, dtype or grad_w.dtype)
 
 
 class _GroupedLinearIntoMainGrad(torch.autograd.Function):
