@@ -99,6 +99,35 @@ def test_slurm_argument_error_text():
         parse(["nodes=0"])
 
 
+@pytest.mark.parametrize("arg, message", [
+    ("time=25:99:99", "time='25:99:99' is not a Slurm time limit (job argument)"),
+    ("time=1-24:00:00", "time='1-24:00:00' is not a Slurm time limit"),
+    ("signal_lead_s=-5", "signal_lead_s=-5 must be between 0 and 65535 (seconds before the time limit"),
+    ("rdzv_port=99999", "rdzv_port=99999 is not a TCP port: give one in 1024-65535"),
+    ("cpus_per_task=0", "cpus_per_task=0 must be >= 1 (cores per node for the job's ranks)"),
+    ("partition=a b", "partition='a b' is not a Slurm partition name"),
+    ("account=x;y", "account='x;y' is not a Slurm account name"),
+])
+def test_slurm_job_key_out_of_range(arg, message):
+    from megatron_rl.slurm.__main__ import parse
+
+    with pytest.raises(ValueError) as info:
+        parse([arg])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_slurm_job_keys_in_range_and_unbuffered_script(tmp_path):
+    from megatron_rl.slurm.__main__ import parse
+    from megatron_rl.slurm.script import render
+
+    spec = parse(["time=25:59:59", "signal_lead_s=0", "rdzv_port=29400", "cpus_per_task=4", "partition=gpu,debug",
+                  f"trainer.run_dir={tmp_path}"])
+    assert (spec.time, spec.signal_lead_s, spec.rdzv_port, spec.cpus_per_task) == ("25:59:59", 0, 29400, 4)
+    for ok in ("time=90", "time=2-12", "time=1-23:59:59", "time=UNLIMITED", "time=10:30"):
+        parse([ok, f"trainer.run_dir={tmp_path}"])
+    assert "export PYTHONUNBUFFERED=1" in render(spec)
+
+
 def test_every_prompt_too_long(tmp_path):
     from megatron_rl.data.datasets import DatasetError, JsonlPrompts
     from megatron_rl.data.build import build_tokenizer
