@@ -219,3 +219,67 @@ def test_learner_ranks_failed_text(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == ("train failed among learner ranks [0, 1]: peer rank 1 closed the connection "
                                   "(a rank died or timed out: see its log)"), out.stderr[-2000:]
+
+
+@pytest.fixture
+def sandbox_env(monkeypatch):
+    """The sandbox's environment keys restored afterwards (configure sets them for the workers)."""
+    from megatron_rl.rewards import sandbox
+
+    for key in (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV):
+        monkeypatch.delenv(key, raising=False)
+    yield sandbox
+    sandbox.isolation_mode.cache_clear()
+    sandbox.program_python.cache_clear()
+
+
+def test_code_reward_refuses_a_weak_sandbox_unless_allowed(sandbox_env, tmp_path):
+    from megatron_rl.telemetry.run_dir import make_run_dir
+    from megatron_rl.trainer import prepare_sandbox, uses_sandbox
+
+    cfg = load_config("tiny_cpu", ["reward.name=code", "sandbox.mode=rlimits"])
+    with pytest.raises(ConfigError) as info:
+        prepare_sandbox(cfg)
+    assert "the code sandbox's isolation here is rlimits, which gives programs neither a private file system" \
+        in str(info.value) and "sandbox.allow_weak_isolation=true" in str(info.value)
+    assert "\n" not in str(info.value)
+    cfg = load_config("tiny_cpu", ["reward.name=code", "sandbox.mode=rlimits", "sandbox.allow_weak_isolation=true",
+                                   f"trainer.run_dir={tmp_path}"])
+    assert prepare_sandbox(cfg) == "rlimits"
+    make_run_dir(cfg)
+    assert "mode: rlimits" in (tmp_path / "config.yaml").read_text()  # the mode in use, recorded
+    assert uses_sandbox(load_config("tiny_cpu", ["rollout.workflow=calculator_agent"]))
+    assert not uses_sandbox(load_config("tiny_cpu")) and prepare_sandbox(load_config("tiny_cpu")) is None
+
+
+def test_sandbox_interpreter_and_directory_errors(sandbox_env, monkeypatch, tmp_path):
+    import asyncio
+    import os
+
+    sandbox = sandbox_env
+    if os.geteuid() != 0:
+        pytest.skip("programs run as an unprivileged user of their own only when the trainer is root")
+    monkeypatch.setattr(sandbox, "_base_interpreter", lambda: (str(tmp_path / "private" / "bin" / "python3"),
+                                                               str(tmp_path / "private")))
+    monkeypatch.setattr(sandbox, "SYSTEM_PYTHONS", ())
+    with pytest.raises(sandbox.SandboxUnavailable) as info:
+        sandbox.configure("namespaces+rlimits", allow_weak=True)
+    assert "the code sandbox runs programs as an unprivileged user, who cannot read this Python" in str(info.value)
+    sandbox.program_python.cache_clear()
+    with pytest.raises(sandbox.SandboxUnavailable, match="sandbox.python='/nonexistent/python3' cannot be run by "
+                                                         "an unprivileged user"):
+        sandbox.configure("rlimits", allow_weak=True, python="/nonexistent/python3")
+    monkeypatch.undo()
+    for key in (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV):
+        monkeypatch.delenv(key, raising=False)
+    private = tmp_path / "private_dir"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv(sandbox.DIR_ENV, str(private / "runs"))
+    sandbox.configure("rlimits", allow_weak=True)
+    with pytest.raises(sandbox.SandboxUnavailable, match="is inside a directory other users cannot enter"):
+        asyncio.run(sandbox.run_python("print(1)"))
+    monkeypatch.setenv(sandbox.MODE_ENV, "bubblewrap")
+    monkeypatch.setattr(sandbox, "_probe", lambda mode: False)
+    sandbox.isolation_mode.cache_clear()
+    with pytest.raises(sandbox.SandboxUnavailable, match="sandbox mode bubblewrap does not work on this machine"):
+        sandbox.isolation_mode()
