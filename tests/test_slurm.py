@@ -171,7 +171,10 @@ def test_preempted_world_job_requeues_and_resumes_from_its_checkpoint(slurm, tmp
     requeue`), it writes its stop checkpoint and the rerun resumes from it; warned of the time
     limit (USR1), it checkpoints after its step, requeues itself, resumes and runs to the end."""
     steps = 30
-    result = _submit(tmp_path, f"trainer.total_steps={steps}", "cpus_per_task=2", *WORLD)
+    # A periodic checkpoint first: megatron-core's writer then has its helper process running
+    # when the TERM of the preemption arrives.
+    result = _submit(tmp_path, f"trainer.total_steps={steps}", "cpus_per_task=2", "trainer.checkpoint_interval=4",
+                     *WORLD)
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     deadline = time.time() + 300
@@ -189,6 +192,8 @@ def test_preempted_world_job_requeues_and_resumes_from_its_checkpoint(slurm, tmp
         time.sleep(0.2)
     resumed = re.search(r"resumed from \S+: step (\d+)", _train_log(tmp_path))
     assert resumed and int(resumed.group(1)) >= done_before, (_log(tmp_path), _train_log(tmp_path)[-3000:])
+    # The first attempt stopped with its checkpoint written (3), not failing mid-save (1).
+    assert "training ended with status 3" in _log(tmp_path), _log(tmp_path)
     while len(_rows(tmp_path)) < int(resumed.group(1)) + 2 and time.time() < deadline:
         time.sleep(0.2)
     # What Slurm sends signal_lead_s before the time limit (#SBATCH --signal=B:USR1@...).
