@@ -25,4 +25,16 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT"
   echo "$WANT" > "$STAMP"
 fi
+# The code sandbox (reward.name=code, tool-using agents) needs bubblewrap for a private file system
+# and no network: install it where this can (root with apt-get); otherwise say what to do.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "megatron_rl: installing bubblewrap for the code sandbox (apt-get)" >&2
+    { apt-get install -y --no-install-recommends bubblewrap >/dev/null 2>&1 || \
+      { apt-get update -qq >/dev/null 2>&1 && apt-get install -y --no-install-recommends bubblewrap >/dev/null 2>&1; }; } || \
+      echo "megatron_rl: could not install bubblewrap; code rewards and tool-using agents need it (or sandbox.allow_weak_isolation=true)" >&2
+  else
+    echo "megatron_rl: bubblewrap is not installed; code rewards and tool-using agents need it: ask an administrator for the bubblewrap package (apt-get/dnf install bubblewrap), or set sandbox.allow_weak_isolation=true" >&2
+  fi
+fi
 export VENV_PYTHON="$VENV/bin/python"

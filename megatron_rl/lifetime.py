@@ -42,11 +42,22 @@ def die_with_parent(parent_pid: int) -> bool:
 _writer_manager = None
 
 
+def _checkpoint_writer_init(parent_pid: int) -> None:
+    """The checkpoint writer's Manager: dies with the trainer, and ignores the stop and interrupt
+    signals. On preemption (``scontrol requeue``) Slurm sends TERM to every process of the job
+    step, this one too; the trainer answers TERM by writing its stop checkpoint, which needs this
+    process alive until the save ends (killed, it fails the save with BrokenPipeError)."""
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(parent_pid)
+
+
 def checkpoint_writer_dies_with_us() -> None:
     """megatron-core's checkpoint writer collects results through a multiprocessing Manager,
     a server process it starts on first save and that watches nothing: after a SIGKILL of this
-    process it would live on, orphaned. Start that Manager here, with a parent-death signal, and
-    hand Megatron its queue (idempotent)."""
+    process it would live on, orphaned, and a TERM meant for the trainer (preemption) would kill
+    it mid-save. Start that Manager here, with a parent-death signal and TERM ignored, and hand
+    Megatron its queue (idempotent)."""
     global _writer_manager
     if _writer_manager is not None:
         return
@@ -60,7 +71,7 @@ def checkpoint_writer_dies_with_us() -> None:
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return  # already made by Megatron (before this was called): nothing to replace
     manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    manager.start(initializer=_checkpoint_writer_init, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _writer_manager = manager
 

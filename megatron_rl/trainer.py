@@ -107,6 +107,40 @@ def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: T
     return ENGINES.get(cfg.rollout.engine)(cfg, vocab, overlap, learner_executor, engine_threads, device_index)
 
 
+def uses_sandbox(cfg: RootConfig) -> bool:
+    """Whether the run executes model-written programs: the code reward, or an agent whose tools
+    run code (its ``uses_sandbox`` attribute)."""
+    if cfg.reward.fn is None and cfg.reward.name == "code":
+        return True
+    from .plugins import is_import_path, load_object
+    from .rollout.workflow import AGENTS, is_agent
+
+    name = cfg.rollout.workflow
+    if not is_agent(name):
+        return False
+    try:
+        agent = load_object(name, what="rollout.workflow") if is_import_path(name) else AGENTS.get(name)
+    except (ValueError, ImportError):
+        return False  # build_workflow reports it
+    return bool(getattr(agent, "uses_sandbox", False))
+
+
+def prepare_sandbox(cfg: RootConfig) -> Optional[str]:
+    """For a run that executes model-written programs: the code sandbox set up from
+    ``cfg.sandbox`` and its mode in use written back into ``cfg.sandbox.mode`` (None otherwise).
+    ConfigError (one line) when the sandbox cannot run them or may not in the mode it has."""
+    if not uses_sandbox(cfg):
+        return None
+    from .rewards.sandbox import SandboxUnavailable, configure
+
+    sc = cfg.sandbox
+    try:
+        sc.mode = configure(sc.mode, sc.allow_weak_isolation, sc.python)
+    except SandboxUnavailable as err:
+        raise ConfigError(str(err)) from None
+    return sc.mode
+
+
 def lr_at(cfg: RootConfig, step: int) -> float:
     """Learning rate of ``step`` (1-based): linear warm-up over ``learner.lr_warmup_steps``, then
     ``learner.lr_decay_style`` from ``lr`` to ``min_lr`` at ``learner.lr_decay_steps`` (default
@@ -149,8 +183,15 @@ class Trainer:
         self.cfg = cfg
         # A GPU the machine lacks is refused before anything is built or written.
         device_index = engine_gpu(cfg) if world is None else None
+        # So is a code sandbox that does not wall model-written programs off (resolved into
+        # config.yaml's sandbox.mode).
+        sandbox_mode = prepare_sandbox(cfg)
         self.run_dir = make_run_dir(cfg)
         setup_logging(self.run_dir / "logs" / "train.log")
+        if sandbox_mode:
+            from .rewards.sandbox import STRONG_MODES, describe
+
+            logger.log(logging.INFO if sandbox_mode in STRONG_MODES else logging.WARNING, describe(sandbox_mode))
         # The learner computes on this thread, bound to this process's device (CUDA's is per thread).
         self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner", initializer=bind_thread_to_device,
                                                    initargs=(model_device(),))

@@ -99,6 +99,35 @@ def test_slurm_argument_error_text():
         parse(["nodes=0"])
 
 
+@pytest.mark.parametrize("arg, message", [
+    ("time=25:99:99", "time='25:99:99' is not a Slurm time limit (job argument)"),
+    ("time=1-24:00:00", "time='1-24:00:00' is not a Slurm time limit"),
+    ("signal_lead_s=-5", "signal_lead_s=-5 must be between 0 and 65535 (seconds before the time limit"),
+    ("rdzv_port=99999", "rdzv_port=99999 is not a TCP port: give one in 1024-65535"),
+    ("cpus_per_task=0", "cpus_per_task=0 must be >= 1 (cores per node for the job's ranks)"),
+    ("partition=a b", "partition='a b' is not a Slurm partition name"),
+    ("account=x;y", "account='x;y' is not a Slurm account name"),
+])
+def test_slurm_job_key_out_of_range(arg, message):
+    from megatron_rl.slurm.__main__ import parse
+
+    with pytest.raises(ValueError) as info:
+        parse([arg])
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_slurm_job_keys_in_range_and_unbuffered_script(tmp_path):
+    from megatron_rl.slurm.__main__ import parse
+    from megatron_rl.slurm.script import render
+
+    spec = parse(["time=25:59:59", "signal_lead_s=0", "rdzv_port=29400", "cpus_per_task=4", "partition=gpu,debug",
+                  f"trainer.run_dir={tmp_path}"])
+    assert (spec.time, spec.signal_lead_s, spec.rdzv_port, spec.cpus_per_task) == ("25:59:59", 0, 29400, 4)
+    for ok in ("time=90", "time=2-12", "time=1-23:59:59", "time=UNLIMITED", "time=10:30"):
+        parse([ok, f"trainer.run_dir={tmp_path}"])
+    assert "export PYTHONUNBUFFERED=1" in render(spec)
+
+
 def test_every_prompt_too_long(tmp_path):
     from megatron_rl.data.datasets import DatasetError, JsonlPrompts
     from megatron_rl.data.build import build_tokenizer
@@ -190,3 +219,67 @@ def test_learner_ranks_failed_text(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.stdout.strip() == ("train failed among learner ranks [0, 1]: peer rank 1 closed the connection "
                                   "(a rank died or timed out: see its log)"), out.stderr[-2000:]
+
+
+@pytest.fixture
+def sandbox_env(monkeypatch):
+    """The sandbox's environment keys restored afterwards (configure sets them for the workers)."""
+    from megatron_rl.rewards import sandbox
+
+    for key in (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV):
+        monkeypatch.delenv(key, raising=False)
+    yield sandbox
+    sandbox.isolation_mode.cache_clear()
+    sandbox.program_python.cache_clear()
+
+
+def test_code_reward_refuses_a_weak_sandbox_unless_allowed(sandbox_env, tmp_path):
+    from megatron_rl.telemetry.run_dir import make_run_dir
+    from megatron_rl.trainer import prepare_sandbox, uses_sandbox
+
+    cfg = load_config("tiny_cpu", ["reward.name=code", "sandbox.mode=rlimits"])
+    with pytest.raises(ConfigError) as info:
+        prepare_sandbox(cfg)
+    assert "the code sandbox's isolation here is rlimits, which gives programs neither a private file system" \
+        in str(info.value) and "sandbox.allow_weak_isolation=true" in str(info.value)
+    assert "\n" not in str(info.value)
+    cfg = load_config("tiny_cpu", ["reward.name=code", "sandbox.mode=rlimits", "sandbox.allow_weak_isolation=true",
+                                   f"trainer.run_dir={tmp_path}"])
+    assert prepare_sandbox(cfg) == "rlimits"
+    make_run_dir(cfg)
+    assert "mode: rlimits" in (tmp_path / "config.yaml").read_text()  # the mode in use, recorded
+    assert uses_sandbox(load_config("tiny_cpu", ["rollout.workflow=calculator_agent"]))
+    assert not uses_sandbox(load_config("tiny_cpu")) and prepare_sandbox(load_config("tiny_cpu")) is None
+
+
+def test_sandbox_interpreter_and_directory_errors(sandbox_env, monkeypatch, tmp_path):
+    import asyncio
+    import os
+
+    sandbox = sandbox_env
+    if os.geteuid() != 0:
+        pytest.skip("programs run as an unprivileged user of their own only when the trainer is root")
+    monkeypatch.setattr(sandbox, "_base_interpreter", lambda: (str(tmp_path / "private" / "bin" / "python3"),
+                                                               str(tmp_path / "private")))
+    monkeypatch.setattr(sandbox, "SYSTEM_PYTHONS", ())
+    with pytest.raises(sandbox.SandboxUnavailable) as info:
+        sandbox.configure("namespaces+rlimits", allow_weak=True)
+    assert "the code sandbox runs programs as an unprivileged user, who cannot read this Python" in str(info.value)
+    sandbox.program_python.cache_clear()
+    with pytest.raises(sandbox.SandboxUnavailable, match="sandbox.python='/nonexistent/python3' cannot be run by "
+                                                         "an unprivileged user"):
+        sandbox.configure("rlimits", allow_weak=True, python="/nonexistent/python3")
+    monkeypatch.undo()
+    for key in (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV):
+        monkeypatch.delenv(key, raising=False)
+    private = tmp_path / "private_dir"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv(sandbox.DIR_ENV, str(private / "runs"))
+    sandbox.configure("rlimits", allow_weak=True)
+    with pytest.raises(sandbox.SandboxUnavailable, match="is inside a directory other users cannot enter"):
+        asyncio.run(sandbox.run_python("print(1)"))
+    monkeypatch.setenv(sandbox.MODE_ENV, "bubblewrap")
+    monkeypatch.setattr(sandbox, "_probe", lambda mode: False)
+    sandbox.isolation_mode.cache_clear()
+    with pytest.raises(sandbox.SandboxUnavailable, match="sandbox mode bubblewrap does not work on this machine"):
+        sandbox.isolation_mode()

@@ -5,13 +5,17 @@ temp dir is left behind, also with 100 runs at once."""
 import asyncio
 import os
 import shutil
+import socket
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 
 from megatron_rl.rewards import sandbox
-from megatron_rl.rewards.sandbox import SandboxLimits, isolation_mode, run_python
+from megatron_rl.rewards.sandbox import SandboxLimits, SandboxUnavailable, isolation_mode, run_python
 
 PROJECT = Path(__file__).resolve().parents[1]
 # Generous walls: the CI box is two loaded cores, and a verdict must not depend on its load.
@@ -22,8 +26,10 @@ LIMITS = SandboxLimits(wall_s=20.0, cpu_s=2.0, memory_mb=256, max_processes=16)
 def runs(tmp_path, monkeypatch):
     """Runs in a private parent dir, recording the user ids they ran under; afterwards checks
     that no process of theirs and no directory of theirs is left."""
-    root = tmp_path / "sandboxes"
-    root.mkdir()
+    # Programs run as an unprivileged user when the tests run as root: the runs' parent dir must
+    # let that user through (pytest's own tmp dir is private to root).
+    root = Path(tempfile.mkdtemp(prefix="megatron_rl_sandbox_test_"))
+    os.chmod(root, 0o711)
     monkeypatch.setenv(sandbox.DIR_ENV, str(root))
     uids = []
     real = sandbox._run_uid
@@ -42,11 +48,21 @@ def runs(tmp_path, monkeypatch):
     # Children the test process had before (e.g. the multi-process tests' fork server) are not ours.
     before = {c.pid for c in psutil.Process().children(recursive=True)}
     yield go
-    assert list(root.iterdir()) == [], "a run's private directory was left behind"
+    leftovers = list(root.iterdir())
+    shutil.rmtree(root, ignore_errors=True)
+    assert leftovers == [], "a run's private directory was left behind"
     left_behind = [c.pid for c in psutil.Process().children(recursive=True) if c.pid not in before]
     assert left_behind == [], "a sandbox process outlived its run"
     ours = {u for u in uids if u >= 0}
-    left = [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real in ours]
+
+    def alive_of_ours():  # killed ones may take a moment to die, and to be reaped
+        return [p.pid for p in psutil.process_iter(["uids", "status"]) if p.info["uids"]
+                and p.info["uids"].real in ours and p.info["status"] != psutil.STATUS_ZOMBIE]
+
+    deadline = time.time() + 3
+    while alive_of_ours() and time.time() < deadline:
+        time.sleep(0.1)
+    left = alive_of_ours()
     assert not left, f"processes of the runs' user ids are still alive: {left}"
 
 
@@ -157,3 +173,165 @@ def test_forced_unknown_mode_is_one_clear_error(monkeypatch):
             isolation_mode()
     finally:
         sandbox.isolation_mode.cache_clear()
+
+
+# ---- Hostile programs, in every isolation mode this machine offers ----------------------------
+# A weak mode (no private file system or network) refuses to run programs unless weak isolation
+# is allowed (sandbox.allow_weak_isolation); allowed, it still keeps the trainer and the
+# project safe, never runs the program as root, and leaves no process behind. When the tests
+# run as root, the trainer's interpreter is made to live under a root-only directory, as pyenv's
+# or conda's under /root do.
+
+
+def _clear_caches():
+    for cached in (sandbox.isolation_mode, sandbox.program_python, sandbox._enterable):
+        cached.cache_clear()
+
+
+@pytest.fixture
+def private_python(tmp_path, monkeypatch):
+    """As root: the base interpreter seen through a symlink in a 0700 directory (what the
+    unprivileged user cannot enter). Otherwise the interpreter as it is."""
+    if os.geteuid() == 0:
+        exe, prefix = sandbox._base_interpreter()
+        private = tmp_path / "root_only"
+        private.mkdir(mode=0o700)
+        (private / "py").symlink_to(prefix)
+        inside = str(private / "py") + exe[len(prefix):] if exe.startswith(prefix + "/") else exe
+        monkeypatch.setattr(sandbox, "_base_interpreter", lambda: (inside, str(private / "py")))
+        assert not sandbox._runs_unprivileged(inside)  # really unreadable to the program's user
+    _clear_caches()
+    yield
+    _clear_caches()
+
+
+@pytest.fixture(params=sandbox.MODES)
+def mode(request, monkeypatch, private_python):
+    """Each isolation mode in turn, forced; weak ones allowed (the user's key). Skipped where the
+    machine does not offer it."""
+    monkeypatch.setenv(sandbox.MODE_ENV, request.param)
+    monkeypatch.delenv(sandbox.PYTHON_ENV, raising=False)
+    if request.param not in sandbox.STRONG_MODES:
+        monkeypatch.setenv(sandbox.ALLOW_WEAK_ENV, "1")
+    try:
+        isolation_mode()
+    except SandboxUnavailable as err:
+        pytest.skip(f"{request.param} is not offered here: {err}")
+    if os.geteuid() != 0 and request.param == "rlimits":
+        pytest.skip("rlimits as a non-root trainer runs programs as the trainer's own user: allowed only "
+                    "with sandbox.allow_weak_isolation, nothing to test but the refusal")
+    return request.param
+
+
+def test_weak_modes_refuse_unless_allowed(mode, monkeypatch):
+    monkeypatch.delenv(sandbox.ALLOW_WEAK_ENV, raising=False)
+    if mode in sandbox.STRONG_MODES:
+        assert asyncio.run(run_python("print(1)")).stdout == "1\n"
+        return
+    with pytest.raises(SandboxUnavailable) as info:
+        asyncio.run(run_python("print(1)"))
+    assert f"isolation here is {mode}" in str(info.value)
+    assert "sandbox.allow_weak_isolation=true" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_program_never_runs_as_root(runs, mode):
+    result = runs("import os\nprint(os.getuid(), os.geteuid(), os.getgid())")
+    assert result.status == "ok", result.stderr
+    uid, euid, gid = map(int, result.stdout.split())
+    assert uid != 0 and euid != 0 and gid != 0
+
+
+def test_hostile_write_into_the_project_fails(runs, mode):
+    targets = [PROJECT / "megatron_rl" / "sandbox_escape.py", PROJECT / "sandbox_escape.txt"]
+    code = "\n".join(f"try:\n    open({str(t)!r}, 'w').write('x')\n    print('wrote')\nexcept OSError:\n    pass"
+                     for t in targets)
+    result = runs(code)
+    escaped = [t for t in targets if t.exists()]
+    for t in escaped:
+        t.unlink()
+    assert not escaped and "wrote" not in result.stdout, (escaped, result)
+
+
+def test_hostile_fill_of_host_tmp_and_shm_stays_inside(runs, mode):
+    if mode == "rlimits":
+        pytest.skip("rlimits (weak, allowed only by the key) does not wall off host files")
+    token = f"sandbox_fill_{uuid.uuid4().hex}"
+    places = [Path(d) / token for d in ("/tmp", "/var/tmp", "/dev/shm")]
+    code = ("import sys\n" + "".join(
+        f"try:\n    open({str(p)!r}, 'wb').write(b'x' * (4 << 20))\nexcept OSError as e:\n    print(e)\n"
+        for p in places))
+    runs(code)
+    leaked = [p for p in places if p.exists()]
+    for p in leaked:
+        p.unlink()
+    assert not leaked
+
+
+def test_hostile_fork_bomb_stops_at_max_processes(runs, mode):
+    code = ("import os, time\nn = 0\nfor _ in range(200):\n    try:\n        pid = os.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n        os.close(1); os.close(2); time.sleep(30)\n"
+            "        os._exit(0)\n    n += 1\nprint(n)")
+    result = runs(code, limits=SandboxLimits(wall_s=20.0, cpu_s=5.0, max_processes=16))
+    assert result.status == "ok", result.stderr
+    assert int(result.stdout) < 16
+
+
+def test_hostile_umount_proc_and_setns_do_not_reach_the_host_network(runs, mode):
+    if mode == "rlimits":
+        pytest.skip("rlimits (weak, allowed only by the key) shares the host's network")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    code = ("import ctypes, os, socket\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.umount2(b'/proc', 2)\n"
+            "for pid in os.listdir('/proc'):\n    try:\n        fd = os.open(f'/proc/{pid}/ns/net', os.O_RDONLY)\n"
+            "        if libc.setns(fd, 0) == 0:\n            print('joined', pid)\n    except (OSError, ValueError):\n"
+            "        pass\ns = socket.socket()\ns.settimeout(2)\ntry:\n"
+            f"    s.connect(('127.0.0.1', {port}))\n    print('connected')\nexcept OSError as e:\n    print('no', e)")
+    try:
+        result = runs(code)
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert "connected" not in result.stdout and "joined" not in result.stdout, result
+
+
+def test_hostile_setsid_daemon_does_not_outlive_the_run(runs, mode):
+    token = f"sandbox_daemon_{uuid.uuid4().hex}"
+    code = ("import os, sys, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            "        fd = os.open(os.devnull, os.O_RDWR)\n        for f in (0, 1, 2):\n            os.dup2(fd, f)\n"
+            f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)  # {token}'])\n"
+            "    os._exit(0)\ntime.sleep(1)\nprint('parent done')")
+    result = runs(code)
+    assert result.stdout == "parent done\n", result
+    time.sleep(0.5)
+    alive = [p.pid for p in psutil.process_iter(["cmdline"]) if token in " ".join(p.info["cmdline"] or [])]
+    for pid in alive:
+        os.kill(pid, 9)
+    assert not alive
+
+
+def test_hostile_kill_of_the_caller_fails(runs, mode):
+    code = ("import os\nfor target in (os.getppid(), 1):\n    try:\n        os.kill(target, 9)\n"
+            "        print('killed', target)\n    except OSError as e:\n        print('refused', target, e.errno)")
+    result = runs(code)
+    assert "killed" not in result.stdout, result  # and this process, the caller's caller, lives
+
+
+def test_root_with_an_unreadable_python_and_no_system_python_refuses(private_python, monkeypatch):
+    if os.geteuid() != 0:
+        pytest.skip("programs run as the trainer's user when it is not root")
+    monkeypatch.setattr(sandbox, "SYSTEM_PYTHONS", ())
+    for weak in ("namespaces+rlimits", "rlimits"):
+        monkeypatch.setenv(sandbox.MODE_ENV, weak)
+        _clear_caches()
+        with pytest.raises(SandboxUnavailable) as info:
+            isolation_mode()
+        assert "who cannot read this Python" in str(info.value) and "set sandbox.python" in str(info.value)
+        assert "\n" not in str(info.value)
+    monkeypatch.setenv(sandbox.PYTHON_ENV, sandbox._base_interpreter()[0])
+    _clear_caches()
+    with pytest.raises(SandboxUnavailable, match="cannot be run by an unprivileged user"):
+        isolation_mode()

@@ -403,6 +403,22 @@ class RewardConfig:
 
 
 @dataclass
+class SandboxConfig:
+    # Isolation of the programs that reward.name=code and tool-using agents (calculator_agent) run:
+    # auto (the strongest this machine offers) | bubblewrap (private file system, no network) |
+    # namespaces+rlimits | rlimits. The run's config.yaml records the mode in use.
+    mode: str = "auto"
+    # Run model-written programs in a weak mode (namespaces+rlimits: host files visible;
+    # rlimits: host files and network reachable) instead of refusing to start. Install
+    # bubblewrap instead where you can (apt-get install bubblewrap).
+    allow_weak_isolation: bool = False
+    # Outside bubblewrap, the Python programs run with when the trainer is root (they run as an
+    # unprivileged user, who must be able to read it). None: this Python if that user can read it,
+    # else a system python3.
+    python: Optional[str] = None
+
+
+@dataclass
 class TrainerConfig:
     # Training steps (policy updates) of the run.
     total_steps: int = 100
@@ -450,4 +466,5 @@ class RootConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -44,6 +44,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "data.template": ("plain", "qa", "math", "chat"),
     "data.tokenizer": ("char", "bpe", "model"),
     "reward.name": REWARDS.names,
+    "sandbox.mode": ("auto", "bubblewrap", "namespaces+rlimits", "rlimits"),
 }
 
 # Values that the design names but this release does not run yet: say so instead of "invalid".

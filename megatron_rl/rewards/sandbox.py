@@ -9,13 +9,23 @@ chosen once per process and logged (``isolation_mode()``):
   system that holds only the interpreter and system libraries, read-only, plus the private
   directory as the one writable place; nothing else of the host is visible.
 - ``namespaces+rlimits`` (util-linux ``unshare``): no network, its own PID, mount, IPC and UTS
-  namespaces, the rlimits; the host's files stay visible (as an unprivileged user when the
-  trainer is root, so they are read-only to the program).
-- ``rlimits``: resource limits and a process group only; network and files are not walled off.
+  namespaces, private ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (when the trainer is root), the
+  rlimits; the rest of the host's files stay visible (read-only to the program, which runs as an
+  unprivileged user).
+- ``rlimits``: resource limits, a process group and (trainer as root) a user id of its own only;
+  network and files are not walled off.
 
-When the trainer runs as root every run also gets a user id of its own, so the process-count limit
-(counted per user by the kernel) counts only that run's processes. Programs see the standard
-library only (``python -I``), never the trainer's packages.
+Only ``bubblewrap`` gives a private file system and no network. The others are *weak*: code
+rewards and tool-using agents refuse them (``SandboxUnavailable``, one line) unless weak
+isolation is allowed (``sandbox.allow_weak_isolation=true``, which sets ``ALLOW_WEAK_ENV``).
+
+A program never runs as root. When the trainer runs as root every run gets a user id of its own
+(so the process-count limit, counted per user by the kernel, counts only that run's processes,
+and every process of the run is killed at its end, daemons included); that user must be able to
+read the interpreter. Outside bubblewrap an interpreter under a private directory (pyenv or
+conda under /root) cannot be, so the sandbox takes ``sandbox.python`` (``PYTHON_ENV``), else a
+system ``python3``, else refuses saying what to install. Programs see the standard library only
+(``python -I``), never the trainer's packages.
 
 Verdicts (``SandboxResult.status``): ``ok`` (exit 0), ``timeout`` (wall or CPU time), ``memory``
 (an allocation failed at the address-space limit), ``crash`` (any other non-zero exit or signal).
@@ -35,17 +45,32 @@ import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 logger = logging.getLogger(__name__)
 
 # Forces an isolation mode (bubblewrap | namespaces+rlimits | rlimits) instead of the best one
 # found; a forced mode that does not work here is an error at the first run.
 MODE_ENV = "MEGATRON_RL_SANDBOX"
+# "1": run programs in a weak mode (no private file system or network) instead of refusing.
+ALLOW_WEAK_ENV = "MEGATRON_RL_SANDBOX_ALLOW_WEAK"
+# The interpreter programs run with outside bubblewrap (one an unprivileged user can read).
+PYTHON_ENV = "MEGATRON_RL_SANDBOX_PYTHON"
 # Parent directory of the runs' private directories (default: the system temp dir).
 DIR_ENV = "MEGATRON_RL_SANDBOX_DIR"
 DIR_PREFIX = "megatron_rl_sandbox_"
 MODES = ("bubblewrap", "namespaces+rlimits", "rlimits")
+# The modes that give the program a private file system and no network.
+STRONG_MODES = ("bubblewrap",)
+# Interpreters tried, in order, when the trainer's own cannot be read by an unprivileged user.
+SYSTEM_PYTHONS = ("/usr/bin/python3", "/usr/local/bin/python3")
+# The user id a run's programs get when the trainer is root is drawn from [UID_LOW, UID_HIGH),
+# a range no system account uses.
+UID_LOW, UID_HIGH = 1 << 20, 1 << 30
+
+
+class SandboxUnavailable(RuntimeError):
+    """The sandbox cannot run programs here as configured (one line saying what to do)."""
 # Exit status the launcher uses for a MemoryError at the address-space limit.
 MEMORY_EXIT = 86
 # Where the private directory appears inside bubblewrap.
@@ -87,7 +112,7 @@ class SandboxResult:
 # kernel, and PID 1 must collect orphans.
 _LAUNCHER = r"""
 import os, resource as R, runpy, sys
-cpu, mem, nproc, fsize, uid = map(int, sys.argv[1:6]); path = sys.argv[6]
+cpu, mem, nproc, fsize, uid, private_tmp = map(int, sys.argv[1:7]); path = sys.argv[7]
 if os.getpid() == 1:
     child = os.fork()
     if child:
@@ -96,6 +121,18 @@ if os.getpid() == 1:
             if pid == child:
                 code = os.waitstatus_to_exitcode(status)
                 os._exit(128 - code if code < 0 else code)
+if private_tmp:  # root in a mount namespace of its own: empty /tmp, /var/tmp, /dev/shm, the run's dir kept
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    here = os.getcwd(); keep = os.open(here, os.O_RDONLY | os.O_DIRECTORY)
+    for d in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.path.isdir(d) and libc.mount(b"tmpfs", d.encode(), b"tmpfs", 2 | 4 | 8, b"mode=1777,size=%d" % fsize):
+            sys.stderr.write("sandbox: cannot mount a private %s (errno %d)\n" % (d, ctypes.get_errno())); os._exit(1)
+    if not os.path.isdir(here):  # the run's dir was under one of them: show it again at its path
+        os.makedirs(here)
+        if libc.mount(b"/proc/self/fd/%d" % keep, here.encode(), None, 4096, None):
+            sys.stderr.write("sandbox: cannot mount the run's directory (errno %d)\n" % ctypes.get_errno()); os._exit(1)
+    os.chdir(here); os.close(keep)
 R.setrlimit(R.RLIMIT_CORE, (0, 0))
 R.setrlimit(R.RLIMIT_CPU, (cpu, cpu + 1))
 R.setrlimit(R.RLIMIT_AS, (mem, mem))
@@ -104,23 +141,74 @@ R.setrlimit(R.RLIMIT_NPROC, (nproc, nproc))
 if uid >= 0:
     os.setgroups([]); os.setresgid(uid, uid, uid); os.setresuid(uid, uid, uid)
 sys.argv = [path]
-del cpu, mem, nproc, fsize, uid
+del cpu, mem, nproc, fsize, uid, private_tmp
 try:
     runpy.run_path(path, run_name="__main__")
 except MemoryError:
     sys.stderr.write("MemoryError: the sandbox's memory limit\n"); sys.stderr.flush()
-    os._exit(%d)
-""" % MEMORY_EXIT
+    os._exit(MEMORY_EXIT)
+""".replace("MEMORY_EXIT", str(MEMORY_EXIT))
+
+
+def _base_interpreter() -> Tuple[str, str]:
+    """The trainer's base interpreter (not a venv's: programs get the standard library only) and
+    its installation prefix."""
+    return (os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable),
+            os.path.realpath(sys.base_prefix))
 
 
 def _python(mode: str = "rlimits") -> str:
-    """The base interpreter (not a venv's): the program gets the standard library only. Its path
-    inside bubblewrap when ``mode`` is that (see ``_bwrap_args``)."""
-    path = os.path.realpath(getattr(sys, "_base_executable", None) or sys.executable)
-    prefix = os.path.realpath(sys.base_prefix)
-    if mode == "bubblewrap" and not prefix.startswith("/usr/") and path.startswith(prefix + "/"):
-        return INSIDE_PYTHON + path[len(prefix):]
-    return path
+    """The interpreter programs run with in ``mode``: the base interpreter, at its path inside
+    bubblewrap (see ``_bwrap_args``); outside bubblewrap one the program's user can read
+    (``program_python``)."""
+    path, prefix = _base_interpreter()
+    if mode == "bubblewrap":
+        if not prefix.startswith("/usr/") and path.startswith(prefix + "/"):
+            return INSIDE_PYTHON + path[len(prefix):]
+        return path
+    return program_python()
+
+
+@lru_cache(maxsize=None)
+def program_python() -> str:
+    """Outside bubblewrap, the interpreter for programs: ``PYTHON_ENV``'s, else (trainer as root,
+    whose programs run as an unprivileged user) the base interpreter if that user can run it,
+    else a system python3 that user can run. SandboxUnavailable when there is none."""
+    forced = os.environ.get(PYTHON_ENV)
+    base = _base_interpreter()[0]
+    if os.geteuid() != 0:
+        return forced or base
+    if forced:
+        if not _runs_unprivileged(forced):
+            raise SandboxUnavailable(
+                f"sandbox.python={forced!r} cannot be run by an unprivileged user (the sandbox never runs "
+                "programs as root): give a Python 3 that every user may read and execute, e.g. /usr/bin/python3")
+        return forced
+    for candidate in (base, *SYSTEM_PYTHONS):
+        if _runs_unprivileged(candidate):
+            if candidate != base:
+                logger.info("code sandbox: programs run with %s (this Python, %s, is in a directory other users "
+                            "cannot read)", candidate, base)
+            return candidate
+    raise SandboxUnavailable(
+        f"the code sandbox runs programs as an unprivileged user, who cannot read this Python ({base}: a "
+        "directory above it is private, e.g. /root), and there is no system python3: install bubblewrap "
+        "(apt-get install bubblewrap), or a system Python (apt-get install python3), or set sandbox.python "
+        "to a Python 3 every user may read")
+
+
+def _runs_unprivileged(python: str) -> bool:
+    """Whether a user id of the sandbox's range runs ``python`` with its standard library."""
+    if not os.path.isfile(python):
+        return False
+    uid = random.randrange(UID_LOW, UID_HIGH)
+    try:
+        done = subprocess.run([python, "-I", "-c", "import json, resource, runpy"], stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"},
+                              user=uid, group=uid, extra_groups=[])
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _bwrap_args(workdir: str) -> List[str]:
@@ -133,7 +221,7 @@ def _bwrap_args(workdir: str) -> List[str]:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    prefix = os.path.realpath(sys.base_prefix)
+    prefix = _base_interpreter()[1]
     if not prefix.startswith("/usr/"):  # e.g. pyenv's, under a private /root: shown at /python
         args += ["--ro-bind", prefix, INSIDE_PYTHON]
     args += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, INSIDE_DIR, "--chdir", INSIDE_DIR,
@@ -158,7 +246,11 @@ def _probe(mode: str) -> bool:
     with tempfile.TemporaryDirectory(prefix=DIR_PREFIX) as workdir:
         prefix = _bwrap_args(workdir) if mode == "bubblewrap" else _unshare_args()
         try:
-            done = subprocess.run(prefix + [_python(mode), "-I", "-c", "import os"], stdin=subprocess.DEVNULL,
+            python = _python(mode)
+        except SandboxUnavailable:
+            return False
+        try:
+            done = subprocess.run(prefix + [python, "-I", "-c", "import os"], stdin=subprocess.DEVNULL,
                                   capture_output=True, timeout=30)
         except (OSError, subprocess.TimeoutExpired):
             return False
@@ -167,47 +259,113 @@ def _probe(mode: str) -> bool:
 
 @lru_cache(maxsize=None)
 def isolation_mode() -> str:
-    """The strongest isolation that works on this machine (or the one MEGATRON_RL_SANDBOX forces),
-    logged once."""
+    """The strongest isolation that works on this machine (or the one MEGATRON_RL_SANDBOX forces).
+    SandboxUnavailable when none can run programs (see ``program_python``)."""
     forced = os.environ.get(MODE_ENV)
     if forced:
         if forced not in MODES:
             raise ValueError(f"{MODE_ENV}={forced!r} is not an isolation mode; choose one of {', '.join(MODES)}")
+        if forced != "bubblewrap":
+            program_python()  # raises with what to do when no interpreter can be read
         if not _probe(forced):
-            raise RuntimeError(f"{MODE_ENV}={forced} does not work on this machine (bubblewrap: apt-get install "
-                               f"bubblewrap; namespaces: unshare must be allowed); unset it to pick the best that does")
-        mode = forced
-    else:
-        mode = next(m for m in MODES if _probe(m))
-    level = logging.INFO if mode == "bubblewrap" else logging.WARNING
-    logger.log(level, "code sandbox isolation: %s%s", mode, "" if mode == "bubblewrap" else
-               " (bubblewrap not usable here: apt-get install bubblewrap for a private file system)")
+            raise SandboxUnavailable(f"sandbox mode {forced} does not work on this machine (bubblewrap: apt-get "
+                                     "install bubblewrap; namespaces: unshare must be allowed); set sandbox.mode=auto "
+                                     "to pick the best that does")
+        return forced
+    for mode in MODES:
+        if _probe(mode):
+            return mode
+    program_python()  # only the interpreter can fail rlimits' probe: raise saying what to do
+    raise SandboxUnavailable("the code sandbox cannot start a program on this machine")
+
+
+def weak_allowed() -> bool:
+    """Whether programs may run in a weak mode (``ALLOW_WEAK_ENV``)."""
+    return os.environ.get(ALLOW_WEAK_ENV, "").lower() in ("1", "true", "yes")
+
+
+def refusal(mode: str) -> Optional[str]:
+    """Why programs may not run in ``mode`` (None: they may)."""
+    if mode in STRONG_MODES or weak_allowed():
+        return None
+    return (f"the code sandbox's isolation here is {mode}, which gives programs neither a private file system "
+            "nor (rlimits) a network of their own: install bubblewrap (apt-get install bubblewrap, or bash "
+            "launch/env.sh as root), or set sandbox.allow_weak_isolation=true to run model-written code anyway")
+
+
+def describe(mode: str) -> str:
+    """One log line: the mode and what it walls off."""
+    what = {"bubblewrap": "private file system, no network, own PID namespace",
+            "namespaces+rlimits": "no network, own PID namespace, host files visible (weak)",
+            "rlimits": "resource limits only: host files and network reachable (weak)"}[mode]
+    user = "an unprivileged user id per run" if os.geteuid() == 0 else f"this user (uid {os.geteuid()})"
+    return f"code sandbox isolation: {mode} ({what}; programs run as {user})"
+
+
+def check_allowed() -> str:
+    """The isolation mode, after checking that programs may run in it (SandboxUnavailable, one
+    line, when they may not)."""
+    mode = isolation_mode()
+    reason = refusal(mode)
+    if reason:
+        raise SandboxUnavailable(reason)
+    return mode
+
+
+def configure(mode: str = "auto", allow_weak: bool = False, python: Optional[str] = None) -> str:
+    """Set the sandbox up for this process and the worker processes it starts later (through the
+    environment): the mode (``auto``: the strongest this machine offers, or ``MODE_ENV``'s),
+    whether weak modes may run, the interpreter outside bubblewrap. Returns the mode in use;
+    SandboxUnavailable (one line) when programs may not run."""
+    if mode != "auto":
+        os.environ[MODE_ENV] = mode
+    if allow_weak:
+        os.environ[ALLOW_WEAK_ENV] = "1"
+    if python:
+        os.environ[PYTHON_ENV] = python
+    isolation_mode.cache_clear()
+    program_python.cache_clear()
+    mode = check_allowed()
+    os.environ[MODE_ENV] = mode  # workers use it without probing again
     return mode
 
 
 def _run_uid(mode: str) -> int:
     """A user id for one run when the trainer is root (-1 otherwise): random in a range no
-    system account uses, so concurrent runs, even of different trainers, do not share one.
-    Outside bubblewrap the program sees the host's files, so this needs an interpreter that any
-    user may read (pyenv under a private /root is not)."""
-    if os.geteuid() != 0 or (mode != "bubblewrap" and not _world_readable(sys.base_prefix)):
+    system account uses, so concurrent runs, even of different trainers, do not share one."""
+    if os.geteuid() != 0:
         return -1
-    return random.randrange(1 << 20, 1 << 30)
+    return random.randrange(UID_LOW, UID_HIGH)
 
 
 @lru_cache(maxsize=None)
-def _world_readable(path: str) -> bool:
+def _enterable(path: str) -> bool:
     """Whether every directory down to ``path`` lets other users through."""
     path = os.path.realpath(path)
     while True:
         try:
-            if not os.stat(path).st_mode & 0o005:
+            if not os.stat(path).st_mode & 0o001:
                 return False
         except OSError:
             return False
         if path == "/":
             return True
         path = os.path.dirname(path)
+
+
+def _kill_uid(uid: int) -> None:
+    """Kill every process of user ``uid`` (a run's leftovers: a double-forked, setsid daemon
+    escapes the process group and, outside a PID namespace, outlives the run)."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+            os.kill(-1, signal.SIGKILL)  # every process this user may signal: its own
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> bytes:
@@ -246,10 +404,14 @@ async def run_python(code: str, stdin: str = "", limits: Optional[SandboxLimits]
     """Run ``code`` as a Python program in the sandbox, feeding it ``stdin``; never raises for
     anything the program does."""
     limits = limits or SandboxLimits()
-    mode = isolation_mode()
+    mode = check_allowed()
     root = os.environ.get(DIR_ENV) or None
-    workdir = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=root)
     uid = _run_uid(mode)
+    if uid >= 0 and mode != "bubblewrap" and not _enterable(root or tempfile.gettempdir()):
+        raise SandboxUnavailable(f"the code sandbox's directory {root or tempfile.gettempdir()} is inside a directory "
+                                 f"other users cannot enter, so the unprivileged user programs run as cannot reach "
+                                 f"its files: set {DIR_ENV} to a directory such as /tmp")
+    workdir = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=root)
     start = time.monotonic()
     proc = None
     try:
@@ -259,9 +421,10 @@ async def run_python(code: str, stdin: str = "", limits: Optional[SandboxLimits]
             os.chown(workdir, uid, uid)
         inside = INSIDE_DIR if mode == "bubblewrap" else workdir
         prefix = {"bubblewrap": _bwrap_args(workdir), "namespaces+rlimits": _unshare_args(), "rlimits": []}[mode]
+        private_tmp = int(mode == "namespaces+rlimits" and os.geteuid() == 0)
         argv = prefix + [_python(mode), "-I", "-c", _LAUNCHER, str(max(1, int(round(limits.cpu_s)))),
                          str(limits.memory_mb << 20), str(limits.max_processes), str(limits.max_file_mb << 20),
-                         str(uid), os.path.join(inside, "main.py")]
+                         str(uid), str(private_tmp), os.path.join(inside, "main.py")]
         env = {"PATH": "/usr/bin:/bin", "HOME": inside, "TMPDIR": inside, "LANG": "C.UTF-8"}
         proc = await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -286,6 +449,8 @@ async def run_python(code: str, stdin: str = "", limits: Optional[SandboxLimits]
             _kill_group(proc.pid)  # the program's own children, should it have left any (rlimits mode)
             if proc.returncode is None:
                 await proc.wait()
+        if uid >= 0:
+            _kill_uid(uid)  # and any that left the process group (setsid)
         _remove(workdir)
 
 

@@ -23,6 +23,24 @@ JOB_KEYS = {"nodes": int, "gpus_per_node": int, "procs_per_node": int, "cpus_per
 USAGE = __doc__
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, or no limit.
 SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)", re.IGNORECASE)
+# Partition and account names (a comma-separated list of them for partitions).
+SLURM_NAMES = re.compile(r"[A-Za-z0-9_.\-]+(,[A-Za-z0-9_.\-]+)*")
+# The largest lead Slurm's --signal=...@TIME accepts (seconds).
+MAX_SIGNAL_LEAD_S = 65535
+
+
+def _valid_time(text: str) -> bool:
+    """Slurm's --time: the format, and minutes, seconds (and hours after days) in range (what
+    follows the first field of H:M:S or M:S is below 60)."""
+    if not SLURM_TIME.fullmatch(text):
+        return False
+    if text.upper() in ("UNLIMITED", "INFINITE"):
+        return True
+    days, _, clock = text.rpartition("-")
+    fields = [int(f) for f in clock.split(":")]
+    if days and fields[0] > 23:
+        return False
+    return all(f < 60 for f in fields[1:])
 
 
 def parse(args: List[str]) -> JobSpec:
@@ -44,11 +62,24 @@ def parse(args: List[str]) -> JobSpec:
                 raise ValueError(f"{key}={value!r} must be {kind}") from None
         else:
             overrides.append(arg)
-    if "time" in job and not SLURM_TIME.fullmatch(job["time"]):
+    if "time" in job and not _valid_time(job["time"]):
         raise ValueError(f"time={job['time']!r} is not a Slurm time limit (job argument): write minutes, "
                          "HH:MM:SS or D-HH:MM:SS, e.g. time=04:00:00")
     if job.get("nodes", 1) < 1 or job.get("gpus_per_node", 0) < 0 or job.get("procs_per_node", 1) < 1:
         raise ValueError("nodes and procs_per_node must be >= 1 and gpus_per_node >= 0")
+    if job.get("cpus_per_task", 1) < 1:
+        raise ValueError(f"cpus_per_task={job['cpus_per_task']} must be >= 1 (cores per node for the job's ranks); "
+                         "leave it out to take Slurm's default")
+    if not 0 <= job.get("signal_lead_s", 0) <= MAX_SIGNAL_LEAD_S:
+        raise ValueError(f"signal_lead_s={job['signal_lead_s']} must be between 0 and {MAX_SIGNAL_LEAD_S} (seconds "
+                         "before the time limit at which the job is told to checkpoint and stop), e.g. 120")
+    if "rdzv_port" in job and not 1 <= job["rdzv_port"] <= 65535:
+        raise ValueError(f"rdzv_port={job['rdzv_port']} is not a TCP port: give one in 1024-65535, or leave it out "
+                         "for a port derived from the job id")
+    for key in ("partition", "account"):
+        if key in job and not SLURM_NAMES.fullmatch(job[key]):
+            raise ValueError(f"{key}={job[key]!r} is not a Slurm {key} name: letters, digits, '_', '-' and '.', "
+                             "several separated by commas (no spaces)")
     # Fail here, not after the job waited in the queue: the config, and the placement of its
     # layout on the job's ranks.
     from ..launch.plan import PlacementError, plan_for

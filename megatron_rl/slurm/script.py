@@ -82,6 +82,8 @@ echo "megatron_rl: job $SLURM_JOB_ID attempt $(( ${{SLURM_RESTART_COUNT:-0}} + 1
 
 CORES={cores}
 export MEGATRON_RL_CPUS="$CORES"
+# Log lines reach slurm-<id>.out as they are written, not when a buffer fills (or never, on a kill).
+export PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=$(( CORES / {spec.ranks_per_node} ))
 [ "$OMP_NUM_THREADS" -ge 1 ] 2>/dev/null || export OMP_NUM_THREADS=1
 # NCCL: report errors instead of hanging; NVLink SHARP (NVLS) off, it needs multicast support.

@@ -50,6 +50,8 @@ class CalculatorAgent:
     """``async run(data, client) -> reward`` with the OpenAI client the trainer hands it."""
 
     max_turns = 3
+    # Its tool runs model-written code: the trainer checks the code sandbox's isolation at start.
+    uses_sandbox = True
 
     async def run(self, data: Dict[str, Any], client) -> float:
         from openai import BadRequestError
