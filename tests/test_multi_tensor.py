@@ -81,3 +81,29 @@ def test_bf16_optimizer_copies_fp32_main_weights_into_the_model_weights(megatron
              for m, f in zip(mg, fg)]
     assert pairs and all(torch.equal(m, f.to(torch.bfloat16)) for m, f in pairs)
     assert sum(not torch.equal(b, p) for b, p in zip(before, model.parameters())) > len(before) // 2
+
+
+def test_token_count_scaling_of_the_gradient_buffers_takes_a_float(megatron_world):
+    """megatron-core scales the gradient buffers by 1 / tokens given as a device scalar; the
+    learner's wrapper multiplies by the same value as a float, with the same result."""
+    from megatron_rl.config.schema import LearnerConfig, ModelConfig
+    from megatron_rl.learner.megatron_step import wrap_for_training
+    from megatron_rl.models.gpt import build_gpt_model
+
+    torch.manual_seed(0)
+    model = build_gpt_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                        ffn_hidden_size=48), vocab_size=64)
+    wrapped, _ = wrap_for_training(model, LearnerConfig(), bf16=False, lr=1e-3)
+    buffer = wrapped.buffers[0].grad_data
+    buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(1)))
+    factor = 1.0 / torch.tensor(7, dtype=torch.int)  # what finalize_model_grads passes
+    expected = buffer * factor
+    seen = []
+    original = type(wrapped.buffers[0]).scale_gradients
+    type(wrapped.buffers[0]).scale_gradients = lambda self, f: (seen.append(f), original(self, f))
+    try:
+        wrapped.scale_gradients(factor)
+    finally:
+        type(wrapped.buffers[0]).scale_gradients = original
+    assert seen and all(isinstance(f, float) for f in seen)
+    assert torch.equal(buffer, expected)

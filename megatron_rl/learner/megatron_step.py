@@ -4,6 +4,7 @@ or forward-backward + optimizer step. The same code runs at PP = 1 and PP > 1.""
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -24,7 +25,7 @@ StepFn = Callable
 
 def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr: float):
     """(DistributedDataParallel model, Megatron optimizer) for a bare GPTModel."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -36,7 +37,7 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
         overlap_grad_reduce=False,
         use_distributed_optimizer=lc.use_distributed_optimizer,
     )
-    wrapped = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    wrapped = _scalar_scaled_ddp_class()(config=model.config, ddp_config=ddp_config, module=model)
     # Replicas start from data-parallel rank 0's weights (experts from their expert-DP rank 0),
     # whatever each rank's random state did during the build: megatron-core initialises the MoE
     # router on the CPU generator, the rest of a GPU model on CUDA ones, and a replica that
@@ -61,6 +62,27 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
     if torch.cuda.is_available():
         use_fused_adam(optimizer)
     return wrapped, optimizer
+
+
+@functools.lru_cache(maxsize=None)
+def _scalar_scaled_ddp_class():
+    """The class below, built on first use (megatron-core is imported lazily here)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    class ScalarScaledDDP(DistributedDataParallel):
+        """megatron-core's data-parallel wrapper, scaling the gradient buffers by a Python float.
+        ``finalize_model_grads`` passes 1 / (global token count) as a device scalar, and a buffer
+        times a device scalar runs torch's broadcasting kernel (8.8 ms for the 11 GB fp32 buffer of
+        a 2.8 B-parameter MoE on an H200) instead of the vectorised one. Reading the value costs no
+        extra wait: finalize has just compared it with 0 on the host. Same product (the fp32 factor
+        converts exactly)."""
+
+        def scale_gradients(self, scaling_factor) -> None:
+            if isinstance(scaling_factor, torch.Tensor):
+                scaling_factor = float(scaling_factor)
+            super().scale_gradients(scaling_factor)
+
+    return ScalarScaledDDP
 
 
 def use_fused_adam(optimizer) -> int:
