@@ -279,3 +279,26 @@ def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whol
     assert len({tuple(r.token_ids) for r in whole}) > 1  # sampled, not one answer copied
     assert all(len(r.token_ids) == len(r.logprobs) == len(r.versions) for r in whole)
     assert asyncio.run(asyncio.wait_for(cancelled_and_failed(), timeout=60)) == ["abort", "abort"]
+
+
+def test_engine_rows_hold_what_rollouts_need_not_the_checkpoints_whole_context(megatron_world):
+    """A checkpoint's max_position_embeddings (40,960 for Qwen3) does not size the KV cache: rows
+    hold data.max_prompt_tokens + rollout.max_new_tokens, agents the model's context, and
+    rollout.max_model_len when set."""
+    from megatron_rl.config import load_config
+    from megatron_rl.rollout.embedded.engine import engine_context_tokens, engine_options
+
+    cfg = load_config("tiny_cpu", ["model.max_position_embeddings=4096", "data.max_prompt_tokens=40",
+                                   "rollout.max_new_tokens=24"])
+    assert engine_options(cfg)["max_seq_len"] == 64
+    engine = EmbeddedEngine(cfg.model, VOCAB, max_batch_size=2, seed=0, **engine_options(cfg))
+    try:
+        assert engine._gen.max_seq_len == 64
+        with pytest.raises(ValueError, match="the 64 tokens an engine row holds"):
+            engine._gen.check_request(50, 24)
+    finally:
+        asyncio.run(engine.shutdown())
+    assert engine_context_tokens(load_config("tiny_cpu", ["model.max_position_embeddings=4096",
+                                                          "rollout.max_model_len=1000"])) == 1000
+    assert engine_context_tokens(load_config("tiny_cpu", ["model.max_position_embeddings=4096",
+                                                          "rollout.workflow=calculator_agent"])) == 4096

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
     (["data.min_digits=6"], False, "data.max_digits=5 must be >= data.min_digits=6"),
     (["algo.dual_clip=0.5"], False, "algo.dual_clip=0.5 must be > 1 (e.g. 3), or 0 to disable"),
     (["model.path=/nonexistent/ckpt"], False, "model.path='/nonexistent/ckpt' is not a directory"),
+    (["rollout.max_model_len=100000"], False, "rollout.max_model_len=100000 must lie between data.max_prompt_tokens"),
 ])
 def test_config_error_text(overrides, distributed, message):
     with pytest.raises(ConfigError) as info:

@@ -198,6 +198,11 @@ class RolloutConfig:
     max_new_tokens: int = 16
     # Largest decode batch of the embedded engine.
     max_batch_size: int = 256
+    # Tokens of prompt + response one row of the embedded engine's KV cache holds. Default: the
+    # longest a single-turn rollout needs (data.max_prompt_tokens + rollout.max_new_tokens), or
+    # model.max_position_embeddings for agents (their context grows turn by turn). A checkpoint's
+    # max_position_embeddings (40,960 for Qwen3) would make the cache far larger than rollouts use.
+    max_model_len: Optional[int] = None
     # After a weight update, recompute the KV cache of requests in flight under the new weights
     # (AReaL-style: every later token is exactly the new policy's) instead of keeping the old
     # entries (vLLM-style: cheaper; the recorded behaviour logprobs are still the ones sampled

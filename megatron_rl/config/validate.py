@@ -282,6 +282,12 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"data.max_prompt_tokens + rollout.max_new_tokens = {needed} exceeds "
             f"model.max_position_embeddings={m.max_position_embeddings}; raise it or shorten them"
         )
+    context = cfg.rollout.max_model_len
+    if context is not None and not needed <= context <= m.max_position_embeddings:
+        raise ConfigError(
+            f"rollout.max_model_len={context} must lie between data.max_prompt_tokens + rollout.max_new_tokens "
+            f"= {needed} and model.max_position_embeddings={m.max_position_embeddings}; leave it unset for the former"
+        )
     _engine_device(cfg, distributed)
     if distributed:  # the layouts the placement planner will place must fit the model's shape
         from ..models.layout import layout_problems

@@ -180,7 +180,7 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).
     engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
-                            **engine_options(cfg.rollout))
+                            **engine_options(cfg))
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address)
     timeline = _RankTimeline()
@@ -266,7 +266,7 @@ class _HostedEngine:
             self.engine_pid = (self.engine.engine_pids() or [None])[0]
         else:
             self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
-                                        device_index=gpu, **engine_options(cfg.rollout))
+                                        device_index=gpu, **engine_options(cfg))
             self.engine_pid = self.engine.pid
         self.listener = EngineListener(host, authkey)
         self.loop = asyncio.new_event_loop()

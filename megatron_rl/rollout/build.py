@@ -32,10 +32,10 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
     r = cfg.rollout
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                             device_index=device_index, **engine_options(r))
+                             device_index=device_index, **engine_options(cfg))
     # Without overlap the engine computes on the learner's thread: one thread team for the cores.
     return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
-                          executor=None if overlap else learner_executor, **engine_options(r))
+                          executor=None if overlap else learner_executor, **engine_options(cfg))
 
 
 @ENGINES.register("vllm")

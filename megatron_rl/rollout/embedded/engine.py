@@ -32,12 +32,12 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import AsyncIterator, Awaitable, Deque, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
 
-from ...config.schema import ModelConfig, RolloutConfig
+from ...config.schema import ModelConfig, RootConfig
 from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
 from ...types import GenerationChunk, SamplingParams
@@ -170,25 +170,41 @@ def bind_thread_to_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def engine_options(rollout: RolloutConfig) -> Dict[str, bool]:
-    """The ``rollout`` settings an embedded engine takes as keyword arguments, wherever it is built
-    (in the trainer's process, in a process of its own, on an engine rank)."""
+def engine_options(cfg: RootConfig) -> Dict[str, Union[bool, int]]:
+    """The settings an embedded engine takes as keyword arguments, wherever it is built (in the
+    trainer's process, in a process of its own, on an engine rank)."""
+    rollout = cfg.rollout
     return dict(recompute_kv_on_update=rollout.recompute_kv_on_update, cuda_graphs=rollout.cuda_graphs,
-                record_routing=rollout.record_routing)
+                record_routing=rollout.record_routing, max_seq_len=engine_context_tokens(cfg))
+
+
+def engine_context_tokens(cfg: RootConfig) -> int:
+    """Tokens of prompt + response one engine row holds: ``rollout.max_model_len``, else what a
+    single-turn rollout can need, else (agents) the model's context."""
+    from ..workflow import is_agent
+
+    if cfg.rollout.max_model_len is not None:
+        return cfg.rollout.max_model_len
+    if is_agent(cfg.rollout.workflow):
+        return cfg.model.max_position_embeddings
+    return min(cfg.model.max_position_embeddings, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
 class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
-                 recompute_kv_on_update: bool = False, cuda_graphs: bool = True, record_routing: bool = True):
+                 recompute_kv_on_update: bool = False, cuda_graphs: bool = True, record_routing: bool = True,
+                 max_seq_len: Optional[int] = None):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own.
-        ``record_routing``: a mixture of experts returns its routing on the chunks (see above)."""
+        ``record_routing``: a mixture of experts returns its routing on the chunks (see above).
+        ``max_seq_len``: prompt + response tokens a row holds (``engine_context_tokens``; default
+        the model's max_position_embeddings)."""
         self.model_cfg = model_cfg
         self.model = build_gpt_model(model_cfg, vocab_size, kv_attention=True)
         self.model.eval()
         self.device = model_device()
-        self._gen = KVCachedGenerator(self.model, max_batch_size, model_cfg.max_position_embeddings,
+        self._gen = KVCachedGenerator(self.model, max_batch_size, max_seq_len or model_cfg.max_position_embeddings,
                                       self.device, seed=seed, cuda_graphs=cuda_graphs,
                                       record_routing=record_routing)
         self._version = version

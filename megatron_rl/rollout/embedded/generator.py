@@ -164,7 +164,8 @@ class KVCachedGenerator:
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "
-                             f"the model's max_position_embeddings={self.max_seq_len}")
+                             f"the {self.max_seq_len} tokens an engine row holds (rollout.max_model_len, "
+                             f"by default data.max_prompt_tokens + rollout.max_new_tokens)")
 
     def fits(self, lengths: Sequence[int], remaining: Sequence[int]) -> bool:
         """Whether rows of these current lengths and remaining token budgets share one rebuilt cache."""

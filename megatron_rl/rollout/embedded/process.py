@@ -39,7 +39,8 @@ _WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 class EngineProcess(EngineClient):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
                  cpu_threads: int = 1, recompute_kv_on_update: bool = False, start_timeout_s: float = 300.0,
-                 device_index: Optional[int] = None, cuda_graphs: bool = True, record_routing: bool = True):
+                 device_index: Optional[int] = None, cuda_graphs: bool = True, record_routing: bool = True,
+                 max_seq_len: Optional[int] = None):
         """``device_index``: the GPU the child computes on (None: CUDA's default device, cuda:0)."""
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
@@ -47,7 +48,7 @@ class EngineProcess(EngineClient):
         options = dict(model_cfg=dataclasses.asdict(model_cfg), vocab_size=vocab_size,
                        max_batch_size=max_batch_size, seed=seed, cpu_threads=cpu_threads,
                        recompute_kv_on_update=recompute_kv_on_update, device_index=device_index,
-                       cuda_graphs=cuda_graphs, record_routing=record_routing,
+                       cuda_graphs=cuda_graphs, record_routing=record_routing, max_seq_len=max_seq_len,
                        parent_pid=os.getpid())
         self._proc = ctx.Process(target=_child_main, args=(child, options), name="embedded-engine", daemon=True)
         self._proc.start()
@@ -109,7 +110,8 @@ def _child_main(conn, options: Dict[str, Any]) -> None:
         engine = EmbeddedEngine(ModelConfig(**options["model_cfg"]), options["vocab_size"],
                                 options["max_batch_size"], seed=options["seed"],
                                 recompute_kv_on_update=options["recompute_kv_on_update"],
-                                cuda_graphs=options["cuda_graphs"], record_routing=options["record_routing"])
+                                cuda_graphs=options["cuda_graphs"], record_routing=options["record_routing"],
+                                max_seq_len=options["max_seq_len"])
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("failed", repr(err)))
         return
