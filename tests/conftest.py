@@ -8,6 +8,12 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# A test process holds torch, megatron-core and every test module: skip the seconds of garbage
+# collection at its exit, as the entry points do (megatron_rl/lifetime.py).
+from megatron_rl.lifetime import skip_final_gc  # noqa: E402
+
+skip_final_gc()
+
 
 @pytest.fixture(scope="session")
 def megatron_world():
