@@ -3,14 +3,16 @@
 # Extra arguments go to pytest (e.g. `bash tests/run.sh -k engine -x`). pytest's own exit code
 # is returned, so "no tests collected" (5) fails like any failure.
 # The suite runs on MEGATRON_RL_TEST_WORKERS pytest-xdist workers (default 2: most tests use one
-# core, so two keep a 2-core box busy); tests of one xdist_group (e.g. the Slurm tests, which share
-# one local cluster) run on one worker, in order. `-s`, `--pdb` or an explicit `-n N` run as given
-# (`-s` needs one process to show what tests print: xdist workers' output is not shown).
+# core, so two keep a 2-core box busy). Each test file runs whole on one worker, in order
+# (--dist loadfile): module fixtures such as the Slurm tests' one local cluster, and results cached
+# across a file's tests, are made once; tests/conftest.py hands out the longest files first.
+# `-s`, `--pdb` or an explicit `-n N` run as given (`-s` needs one process to show what tests print:
+# xdist workers' output is not shown).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh"
 cd "$ROOT"
-XDIST=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadgroup)
+XDIST=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadfile)
 for arg in "$@"; do
   case "$arg" in
     -s|--capture=no|--pdb|-n|-n*|--numprocesses|--numprocesses=*) XDIST=() ;;

@@ -19,9 +19,6 @@ import pytest
 
 from megatron_rl.learner.parallel import free_port
 
-# One local Slurm cluster (the module fixture) serves every test here: they run on one xdist worker.
-pytestmark = pytest.mark.xdist_group("slurm")
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -100,9 +100,7 @@ def _one_process_eta2(tmp_path_factory, model, common):
     return _cache["eta2", model]
 
 
-# tp2 and pp2 share one one-process run (_cache): on one xdist worker it is run once.
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.xdist_group("world_eta2_dense") if not model else ())
-                                    for name, (_, model) in ETA2_LAYOUTS.items()])
+@pytest.mark.parametrize("layout", list(ETA2_LAYOUTS))
 def test_world_at_eta2_learns_like_one_process_within_the_staleness_bound(tmp_path, tmp_path_factory, layout):
     steps, eta = 60, 2
     world, model = ETA2_LAYOUTS[layout]
