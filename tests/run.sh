@@ -5,14 +5,15 @@
 # The suite runs on MEGATRON_RL_TEST_WORKERS pytest-xdist workers (default 2: most tests use one
 # core, so two keep a 2-core box busy). Each test file runs whole on one worker, in order
 # (--dist loadfile): module fixtures such as the Slurm tests' one local cluster, and results cached
-# across a file's tests, are made once; tests/conftest.py hands out the longest files first.
+# across a file's tests, are made once; files go out in tests/conftest.py's order, longest first
+# (--no-loadscope-reorder: xdist would otherwise order them by their number of tests).
 # `-s`, `--pdb` or an explicit `-n N` run as given (`-s` needs one process to show what tests print:
 # xdist workers' output is not shown).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh"
 cd "$ROOT"
-XDIST=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadfile)
+XDIST=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 for arg in "$@"; do
   case "$arg" in
     -s|--capture=no|--pdb|-n|-n*|--numprocesses|--numprocesses=*) XDIST=() ;;
