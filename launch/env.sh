@@ -22,7 +22,9 @@ if [ "$(cat "$STAMP" 2>/dev/null || true)" != "$WANT" ]; then
   echo "megatron_rl: installing pinned requirements into $VENV (first run: about a minute)" >&2
   "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
     -r "$ROOT/requirements.txt" -r "$ROOT/requirements-test.txt"
-  "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT"
+  # .ci/run installs .venv and .venv-vllm at once; both editable installs write
+  # megatron_rl.egg-info here: one at a time (a lock on setup.py).
+  flock "$ROOT/setup.py" "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e "$ROOT"
   echo "$WANT" > "$STAMP"
 fi
 # The code sandbox (reward.name=code, tool-using agents) needs bubblewrap for a private file system

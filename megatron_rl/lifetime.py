@@ -110,3 +110,27 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def skip_final_gc() -> None:
+    """Let this process exit without collecting garbage over its whole heap.
+
+    After the atexit handlers, CPython's finalization runs full garbage collections over every
+    object still alive; a process that imported torch and megatron-core and built a model holds
+    millions, and those passes took seconds of CPU per rank (every rank of a finished torchrun
+    world sat in ``gc_collect_main`` for ~8 s on the 2-core CI box, the launcher waiting on them).
+    ``gc.freeze()`` as the last atexit handler moves them out of the collector's reach; the
+    memory goes back with the process anyway. Everything that holds data is closed before then
+    (the trainer closes its writers; logging's own atexit handler flushes the log). Call it at the
+    start of an entry point, before anything else registers an atexit handler, so that it runs last.
+    """
+    import atexit
+    import gc
+
+    global _final_gc_skipped
+    if not _final_gc_skipped:
+        atexit.register(gc.freeze)
+        _final_gc_skipped = True
+
+
+_final_gc_skipped = False

@@ -84,4 +84,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_rl.lifetime import skip_final_gc
+
+    skip_final_gc()  # first: its atexit handler must run last
     sys.exit(main())

@@ -121,4 +121,7 @@ def _run(cfg, plan, per_node: int) -> int:
 
 
 if __name__ == "__main__":
+    from megatron_rl.lifetime import skip_final_gc
+
+    skip_final_gc()  # first: its atexit handler must run last
     sys.exit(main())

@@ -170,4 +170,7 @@ def _device_name() -> str:
 
 
 if __name__ == "__main__":
+    from megatron_rl.lifetime import skip_final_gc
+
+    skip_final_gc()  # first: its atexit handler must run last
     sys.exit(main())
