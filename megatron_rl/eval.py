@@ -64,7 +64,9 @@ def parse_args(argv: Sequence[str]) -> tuple:
     parser.add_argument("--limit", type=int, default=0, help="first N problems of each set (0: all)")
     parser.add_argument("--samples", type=int, default=1, help="responses per problem (n)")
     parser.add_argument("--k", type=int, default=None, help="pass@k to report besides pass@1 (default: --samples)")
-    parser.add_argument("--report", type=Path, default=None, help="JSON report path (default: <trainer.run_dir>/eval.json, else eval.json in the current directory)")
+    parser.add_argument("--report", type=Path, default=None,
+                        help="JSON report path (default: <trainer.run_dir>/eval.json, else eval.json in the current "
+                             "directory)")
     parser.add_argument("--gsm8k", type=Path, default=None, help="GSM8K test JSONL (default: shared/data)")
     parser.add_argument("--math500", type=Path, default=None, help="MATH-500 JSONL (default: shared/data)")
     parser.add_argument("--recipe", default="tiny_cpu", help="recipe whose settings the overrides start from")

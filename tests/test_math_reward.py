@@ -14,7 +14,8 @@ from megatron_rl.data.build import build_prompts
 from megatron_rl.data.datasets import DatasetError, JsonlPrompts, gsm8k_final_answer
 from megatron_rl.data.tokenizer import char_tokenizer, train_bpe
 from megatron_rl.rewards import REWARDS, RewardRunner, gsm8k_exact, math_equal
-from megatron_rl.rewards.math_verifier import final_boxes, last_boxed, percent_number, repeating_to_fraction, unsafe_reason
+from megatron_rl.rewards.math_verifier import (final_boxes, last_boxed, percent_number, repeating_to_fraction,
+                                               unsafe_reason)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not DATA.is_dir():  # a worktree sits one level deeper than a clone
