@@ -12,7 +12,7 @@ import sys
 from typing import Callable, List, Optional
 
 USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] [key=value ...]
-  recipe=NAME      a YAML under recipes/ (default tiny_cpu)
+  recipe=NAME      a YAML under recipes/ (default tiny_cpu), or a path to a .yaml file (a run's config.yaml)
   --print-config   print the resolved config and exit
   key=value        any config override, e.g. trainer.total_steps=50 algo.group_size=8"""
 
@@ -49,6 +49,7 @@ def run_guarded(run: Callable[[], Optional[dict]], prog: str = "megatron_rl") ->
 
 def main(argv: Optional[List[str]] = None) -> int:
     from .config import ConfigError, load_config
+    from .config.load import recipe_name
     from .errors import report
     from .stop import record_exit
 
@@ -68,7 +69,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = load_config(recipe, overrides)
     except ConfigError as err:
         return record_exit(report(err))
-    cfg.trainer.recipe = recipe
+    cfg.trainer.recipe = recipe_name(recipe, cfg.trainer.recipe)
     if print_only:
         from omegaconf import OmegaConf
 

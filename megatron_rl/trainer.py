@@ -218,7 +218,9 @@ class Trainer:
             self.learners.call("open_timeline", str(self.run_dir))
             logger.info("torchrun world:\n%s", world.table)
             (self.run_dir / "world.json").write_text(json.dumps({"plan": world.table, "ranks": world.ranks}, indent=1))
-        self.tokenizer.save(self.run_dir / "tokenizer.json")
+        # tokenizer.json with the tokenizer_config.json / generation_config.json that tell transformers
+        # its EOS and PAD: the run directory is the tokenizer directory of its checkpoints.
+        self.tokenizer.save_pretrained(self.run_dir)
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
         r = cfg.rollout

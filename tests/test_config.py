@@ -103,6 +103,36 @@ def test_unknown_recipe():
         load_config("nope")
 
 
+def test_recipe_given_as_a_yaml_file(tmp_path, monkeypatch):
+    """recipe=<path>.yaml loads that file: a run's config.yaml (no defaults list: overrides are
+    type-checked against the schema all the same) or a recipe of one's own kept elsewhere."""
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "run"
+    run.mkdir()
+    original = load_config("tiny_cpu", ["learner.lr=0.0005", "trainer.progress=false"])
+    original.trainer.recipe = "tiny_cpu"  # as the launcher records it
+    OmegaConf.save(OmegaConf.structured(original), run / "config.yaml")
+    monkeypatch.chdir(tmp_path)
+    again = load_config("run/config.yaml")
+    assert again == original
+    assert load_config(str(run / "config.yaml"), ["learner.lr=0.002"]).learner.lr == 0.002
+    with pytest.raises(ConfigError, match=r"learner.lr='x' is not a number \(command line: learner.lr=x\)"):
+        load_config("run/config.yaml", ["learner.lr=x"])
+    mine = tmp_path / "my.recipe.yaml"  # with the schema in its defaults, as recipes/ are
+    mine.write_text((Path(__file__).resolve().parents[1] / "recipes" / "tiny_cpu.yaml").read_text()
+                    .replace("num_layers: 2", "num_layers: 3"))
+    assert load_config(str(mine)).model.num_layers == 3
+    # trainer.recipe, which names the default run directory: the run's recipe, else the file's stem
+    from megatron_rl.config.load import recipe_name
+
+    assert recipe_name("run/config.yaml", "tiny_cpu") == "tiny_cpu" and recipe_name(str(mine), "custom") == "my.recipe"
+    assert recipe_name("tiny_cpu", "custom") == "tiny_cpu"
+    printed = _cli(f"recipe={run / 'config.yaml'}", "--print-config", "trainer.total_steps=7")
+    assert printed.returncode == 0, printed.stderr
+    assert "  total_steps: 7\n" in printed.stdout and "  recipe: tiny_cpu\n" in printed.stdout
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "megatron_rl.main", *args],
                           capture_output=True, text=True, timeout=120)

@@ -26,12 +26,21 @@ def _equal_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def test_cli_roundtrip_loads_in_transformers(tmp_path):
+    """HF -> Megatron -> HF. The Megatron checkpoint sits where a run keeps its checkpoints, and
+    the run directory holds only tokenizer.json (as runs saved it before they also wrote
+    tokenizer_config.json): megatron-to-hf copies it without --tokenizer and writes the config
+    files that give transformers the run's EOS and PAD."""
     from safetensors.torch import load_file
 
-    src, mcore, back = tmp_path / "hf", tmp_path / "mcore", tmp_path / "back"
+    from megatron_rl.data.tokenizer import char_tokenizer
+
+    src, run, back = tmp_path / "hf", tmp_path / "run", tmp_path / "back"
+    mcore = run / "checkpoints" / "step_3"
     original = save_random_hf_model("qwen3_moe", src)
-    (src / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
-    (src / "tokenizer.json").write_text("{}")
+    mcore.parent.mkdir(parents=True)
+    (run / "config.yaml").write_text("trainer:\n  total_steps: 3\n")
+    tokenizer = char_tokenizer("0123456789=")
+    tokenizer.save(run / "tokenizer.json")
 
     done = _tool("hf-to-megatron", str(src), str(mcore), "--tp", "2", "--ep", "2")
     assert done.returncode == 0, done.stderr[-3000:]
@@ -43,8 +52,12 @@ def test_cli_roundtrip_loads_in_transformers(tmp_path):
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 1 and all((back / s).is_file() for s in shards)
     assert shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
-    assert (back / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
-    assert (back / "tokenizer.json").is_file()
+    assert (back / "tokenizer.json").read_text() == (run / "tokenizer.json").read_text()
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(back)
+    assert (hf_tokenizer.eos_token, hf_tokenizer.pad_token, hf_tokenizer.eos_token_id) == ("<eos>", "<pad>", tokenizer.eos_id)
+    assert hf_tokenizer.decode(hf_tokenizer("12=3")["input_ids"]) == "12=3"
+    generation = transformers.GenerationConfig.from_pretrained(back)
+    assert (generation.eos_token_id, generation.pad_token_id) == (tokenizer.eos_id, tokenizer.pad_id)
     theirs = load_file(str(src / "model.safetensors"))
     ours = {}
     for shard in shards:
@@ -55,6 +68,44 @@ def test_cli_roundtrip_loads_in_transformers(tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(back).eval()
     assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
     assert torch.equal(hf_logits(reloaded, TOKENS), hf_logits(original, TOKENS))
+
+
+def test_tokenizer_source_and_config_files(tmp_path):
+    """Where megatron-to-hf takes the tokenizer from (--tokenizer, beside the checkpoint, the run
+    directory), and the config files written for it: keys a checkpoint's own files have are kept."""
+    from megatron_rl.data.tokenizer import char_tokenizer, complete_hf_tokenizer_dir, load_pretrained_tokenizer
+    from megatron_rl.models.convert import tokenizer_source
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_5"
+    step.mkdir(parents=True)
+    assert tokenizer_source(step) is None  # no config.yaml: not a run
+    (run / "config.yaml").write_text("{}\n")
+    assert tokenizer_source(step) is None  # a run without a tokenizer
+    char_tokenizer("0123").save_pretrained(run)
+    assert tokenizer_source(step) == run and tokenizer_source(step, tmp_path / "x") == tmp_path / "x"
+    assert json.loads((run / "generation_config.json").read_text()) == {"eos_token_id": 2, "pad_token_id": 0,
+                                                                        "bos_token_id": 1}
+    char_tokenizer("0123").save(step / "tokenizer.json")
+    assert tokenizer_source(step) == step  # saved beside the checkpoint (a converted one)
+
+    hf = tmp_path / "hf"  # a checkpoint's tokenizer: EOS in generation_config.json only, sampling defaults
+    hf.mkdir()
+    (hf / "tokenizer.json").write_text((run / "tokenizer.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64, "bos_token": None}))
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 2], "temperature": 0.6}))
+    loaded = load_pretrained_tokenizer(str(hf))
+    out = tmp_path / "out"
+    out.mkdir()
+    loaded.save_pretrained(out)
+    assert json.loads((out / "tokenizer_config.json").read_text()) == {
+        "model_max_length": 64, "bos_token": None, "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0",
+        "pad_token": "0", "add_bos_token": False}
+    assert json.loads((out / "generation_config.json").read_text()) == {"eos_token_id": [3, 2], "temperature": 0.6,
+                                                                        "pad_token_id": 3}
+    assert complete_hf_tokenizer_dir(hf) and json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "0"
+    (hf / "tokenizer.json").write_text("{}")
+    assert not complete_hf_tokenizer_dir(hf)  # unreadable: left alone
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2", "deepseek_v3"])

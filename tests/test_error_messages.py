@@ -66,6 +66,14 @@ def test_model_path_that_is_no_checkpoint(tmp_path):
                                "(config.json) nor a Megatron dist checkpoint (metadata.json)")
 
 
+def test_recipe_file_not_found(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        load_config(str(tmp_path / "config.yaml"))
+    assert str(info.value).startswith(f"recipe={tmp_path / 'config.yaml'}: file not found; "
+                                      "give the path of a recipe .yaml file (or a run's config.yaml), or a recipe name: ")
+    assert "tiny_cpu" in str(info.value)
+
+
 def test_unknown_key_in_a_recipe():
     from omegaconf import OmegaConf
 

@@ -14,7 +14,8 @@ from megatron_rl.data.build import build_prompts
 from megatron_rl.data.datasets import DatasetError, JsonlPrompts, gsm8k_final_answer
 from megatron_rl.data.tokenizer import char_tokenizer, train_bpe
 from megatron_rl.rewards import REWARDS, RewardRunner, gsm8k_exact, math_equal
-from megatron_rl.rewards.math_verifier import last_boxed, unsafe_reason
+from megatron_rl.rewards.math_verifier import (final_boxes, last_boxed, percent_number, repeating_to_fraction,
+                                               unsafe_reason)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 if not DATA.is_dir():  # a worktree sits one level deeper than a clone
@@ -77,6 +78,49 @@ def test_gsm8k_rows_under_both_rewards():
         wrong = str(int(target) + 1)
         assert gsm8k_exact(f"#### {wrong}", target) == 0.0
         assert math_equal(f"\\boxed{{{wrong}}}", target) == 0.0
+
+
+# (completion, reference, score): a percentage equals its number with or without the sign and its
+# hundredth; two bare numbers and two percentages compare as written.
+PERCENT = [
+    ("\\boxed{50\\%}", "50", 1.0), ("\\boxed{50}", "50\\%", 1.0),
+    ("\\boxed{0.5}", "50\\%", 1.0), ("\\boxed{50\\%}", "0.5", 1.0), ("\\boxed{50\\%}", "\\frac12", 1.0),
+    ("\\boxed{12.5\\%}", "\\frac{1}{8}", 1.0), ("\\boxed{50 \\text{ percent}}", "50", 1.0),
+    ("\\boxed{1,000\\%}", "10", 1.0), ("\\boxed{0.5\\%}", "0.5\\%", 1.0), ("The answer is 50%.", "50", 1.0),
+    ("\\boxed{50}", "0.5", 0.0), ("\\boxed{50\\%}", "0.5\\%", 0.0), ("\\boxed{5\\%}", "50", 0.0),
+    ("\\boxed{0.05}", "50\\%", 0.0),
+]
+# Repeating decimals are their fractions.
+REPEATING = [
+    ("\\boxed{0.\\overline{3}}", "\\frac13", 1.0), ("\\boxed{\\frac13}", "0.\\overline{3}", 1.0),
+    ("\\boxed{0.\\overline{142857}}", "\\frac{1}{7}", 1.0), ("\\boxed{1.2\\overline{3}}", "\\frac{37}{30}", 1.0),
+    ("\\boxed{-0.\\overline{6}}", "-\\frac23", 1.0), ("\\boxed{0.\\dot{3}}", "\\frac13", 1.0),
+    ("\\boxed{0.\\overline{9}}", "1", 1.0), ("The answer is $0.\\overline{3}$.", "\\frac13", 1.0),
+    ("\\boxed{0.333}", "\\frac13", 0.0), ("\\boxed{0.\\overline{3}}", "\\frac{3}{10}", 0.0),
+]
+# Boxes that only a separator parts are one answer list; a box further back is working.
+TWO_BOXES = [
+    ("\\boxed{2}, \\boxed{3}", "2, 3", 1.0), ("\\boxed{2} and \\boxed{3}", "3, 2", 1.0),
+    ("$x = \\boxed{2}$ or $x = \\boxed{3}$", "2, 3", 1.0), ("x_1 = \\boxed{-1}, x_2 = \\boxed{4}", "4, -1", 1.0),
+    ("\\boxed{2} gives y = 5, so \\boxed{3}", "2, 3", 0.0),   # text other than a separator between
+    ("$\\boxed{2}$ \\text{ or } $\\boxed{3}$", "2,3", 1.0), ("\\boxed{2, 3}", "2, 3", 1.0),
+    ("\\boxed{3}", "2, 3", 0.0), ("\\boxed{2}, \\boxed{3}", "3", 0.0),
+    ("First \\boxed{1}, so the sum is 4 and \\boxed{3}", "3", 1.0),
+]
+
+
+@pytest.mark.parametrize("completion, target, score", PERCENT + REPEATING + TWO_BOXES)
+def test_percent_repeating_decimals_and_answer_lists(completion, target, score):
+    assert math_equal(completion, target) == score, (completion, target)
+
+
+def test_final_boxes_percent_number_and_repeating_to_fraction():
+    assert final_boxes("\\boxed{1} is wrong; \\boxed{2}, \\boxed{3}") == ["2", "3"]
+    assert final_boxes("\\boxed{2}; \\boxed{\\frac{a}{b}} end") == ["2", "\\frac{a}{b}"]
+    assert final_boxes("\\boxed{\\boxed{2}, \\boxed{3}}") == ["\\boxed{2}, \\boxed{3}"]
+    assert final_boxes("no box") == [] and final_boxes("\\boxed{2}, \\boxed{3") == ["2"]
+    assert percent_number("1,250.5\\%") == "1250.5" and percent_number("50\\% + 1") is None
+    assert repeating_to_fraction("x = 0.\\overline{3} + 2.1\\bar{6}") == "x = \\frac{1}{3} + \\frac{13}{6}"
 
 
 HOSTILE = [

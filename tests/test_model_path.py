@@ -102,6 +102,11 @@ def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path, 
         assert sorted(written.names()) == sorted(trained)
         assert all(torch.equal(written.get(k), v) for k, v in trained.items())
     assert (step / "hf" / "tokenizer.json").is_file()
+    # Both carry the run's tokenizer with the EOS and PAD that transformers reads (no --tokenizer needed).
+    for directory in (tmp_path / "export", step / "hf"):
+        assert transformers.AutoTokenizer.from_pretrained(directory).eos_token == trainer.tokenizer.eos_token
+        generation = transformers.GenerationConfig.from_pretrained(directory)
+        assert (generation.eos_token_id, generation.pad_token_id) == (trainer.tokenizer.eos_id, trainer.tokenizer.pad_id)
     original = HFTensorReader(tmp_path / "hf")
     assert not torch.equal(original.get("model.layers.0.self_attn.o_proj.weight"),
                            trained["model.layers.0.self_attn.o_proj.weight"])

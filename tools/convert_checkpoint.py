@@ -3,7 +3,7 @@
     # HF directory (config.json + *.safetensors) -> Megatron dist checkpoint
     python tools/convert_checkpoint.py hf-to-megatron /ckpt/Qwen3-8B /ckpt/qwen3-8b-mcore --tp 4 --pp 2
     # Megatron dist checkpoint (converted, or a training run's checkpoints/step_N) -> HF directory
-    python tools/convert_checkpoint.py megatron-to-hf runs/x/checkpoints/step_700 /ckpt/x-hf --tokenizer /ckpt/Qwen3-8B
+    python tools/convert_checkpoint.py megatron-to-hf runs/x/checkpoints/step_700 /ckpt/x-hf   # + the run's tokenizer
     # Megatron -> Megatron (weights only, optionally another dtype)
     python tools/convert_checkpoint.py megatron-to-megatron runs/x/checkpoints/step_700 /ckpt/x-mcore --dtype bf16
 
@@ -62,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ep", type=int, default=1, help="target expert-parallel size to check against")
     m2h.add_argument("--max-shard-size", type=parse_size, default=parse_size("5GB"),
                      help="largest safetensors shard (default 5GB)")
-    m2h.add_argument("--tokenizer", type=Path, help="copy tokenizer files from this directory "
-                     "(default: those saved beside the checkpoint)")
+    m2h.add_argument("--tokenizer", type=Path, help="copy tokenizer files from this directory (default: those "
+                     "saved beside the checkpoint, else the run directory's for a run's checkpoints/step_N)")
     return parser
 
 

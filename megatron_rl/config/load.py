@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
@@ -91,7 +91,7 @@ def _recipe_names() -> List[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def to_dataclass(cfg: DictConfig, distributed: bool = False) -> RootConfig:
+def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence[str] = ()) -> RootConfig:
     """Merge a composed config onto the schema (type-checked) and validate its values."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
@@ -99,7 +99,9 @@ def to_dataclass(cfg: DictConfig, distributed: bool = False) -> RootConfig:
     except (ConfigAttributeError, ConfigKeyError) as err:
         raise unknown_key(str(err.full_key), "the recipe") from None
     except ValidationError as err:
-        raise _type_error(str(err.full_key), err.value, "the recipe") from None
+        # A recipe without the schema in its defaults (a run's config.yaml) is type-checked only here.
+        text = next((o for o in overrides if o.lstrip("+~").partition("=")[0] == str(err.full_key)), "")
+        raise _type_error(str(err.full_key), err.value, f"command line: {text}" if text else "the recipe") from None
     assert isinstance(obj, RootConfig)
     from ..models.pretrained import resolve_model_config
 
@@ -118,21 +120,43 @@ def _type_error(key: str, value: Any, where: str) -> ConfigError:
                        f"e.g. {key}={_default(key)}")
 
 
-def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
-    """Compose ``recipes/<recipe>.yaml`` with command-line style overrides, as the CLI does."""
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException, MissingConfigException
-
-    register_configs()
+def recipe_location(recipe: str) -> Tuple[Path, str]:
+    """(directory, config name) of a recipe: a name under recipes/, or a path to a ``.yaml`` file
+    (a recipe of one's own, or a run's ``config.yaml``)."""
+    if recipe.endswith(".yaml"):
+        path = Path(recipe).expanduser().resolve()
+        if not path.is_file():
+            raise ConfigError(f"recipe={recipe}: file not found; give the path of a recipe .yaml file (or a run's "
+                              "config.yaml), or a recipe name: " + ", ".join(_recipe_names()))
+        return path.parent, path.name[:-len(".yaml")]
     if not (RECIPES_DIR / f"{recipe}.yaml").is_file():
         guess = nearest(recipe, _recipe_names())
         raise ConfigError(f"recipe={recipe} not found (no {recipe}.yaml in {RECIPES_DIR}): "
                           + (f"did you mean recipe={guess}? " if guess else "")
                           + "the recipes are " + ", ".join(_recipe_names()))
+    return RECIPES_DIR, recipe
+
+
+def recipe_name(recipe: str, loaded: str) -> str:
+    """What ``trainer.recipe`` (which names the default run directory) becomes for ``recipe=``: the
+    name; for a file, the recipe it records (a run's config.yaml), else the file's stem."""
+    if not recipe.endswith(".yaml"):
+        return recipe
+    return loaded if loaded and loaded != "custom" else Path(recipe).name[:-len(".yaml")]
+
+
+def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
+    """Compose ``recipes/<recipe>.yaml`` (or the ``.yaml`` file ``recipe`` names) with command-line
+    style overrides, as the CLI does."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException, MissingConfigException
+
+    register_configs()
+    config_dir, config_name = recipe_location(recipe)
     check_overrides(overrides)
-    with initialize_config_dir(config_dir=str(RECIPES_DIR), version_base=None):
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         try:
-            cfg = compose(config_name=recipe, overrides=list(overrides))
+            cfg = compose(config_name=config_name, overrides=list(overrides))
         except (HydraException, MissingConfigException) as err:
             cause = err.__cause__
             if isinstance(cause, ValidationError) and cause.full_key:
@@ -142,4 +166,4 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distrib
             if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
                 raise unknown_key(str(cause.full_key), "command line") from None
             raise ConfigError(one_line(err)) from None
-    return to_dataclass(cfg, distributed=distributed)
+    return to_dataclass(cfg, distributed=distributed, overrides=overrides)

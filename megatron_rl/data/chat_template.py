@@ -28,6 +28,7 @@ class ChatTemplate:
     """``render(messages, tools, add_generation_prompt)`` -> the prompt text the model was trained on."""
 
     def __init__(self, source: str, bos_token: Optional[str] = None, eos_token: Optional[str] = None):
+        self.source = source
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson

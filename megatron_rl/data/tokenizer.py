@@ -4,12 +4,15 @@
 ``bpe``: a byte-level BPE trained offline on the dataset's own text in about a second.
 ``model``: the checkpoint's own (``model.path``'s ``tokenizer.json``, with the special tokens and
 chat template of its ``tokenizer_config.json`` and the stop ids of its ``generation_config.json``).
-All save as a standard ``tokenizer.json`` that ``tokenizers``/transformers can load.
+All save as a standard ``tokenizer.json`` that ``tokenizers``/transformers can load;
+``save_pretrained`` adds the ``tokenizer_config.json`` (BOS/EOS/PAD, chat template) and
+``generation_config.json`` (EOS/stop and PAD ids) that transformers reads them from.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Iterable, List, Optional, Sequence
 
@@ -42,8 +45,12 @@ class Tokenizer:
         self.bos_id: Optional[int] = ids[bos] if bos is not None else None
         self.pad_id = ids[pad] if pad is not None else self.eos_id
         self.eos_token = eos
+        self.bos_token = bos
+        self.pad_token = pad if pad is not None else eos
         self.chat_template = chat_template
         self.stop_ids = tuple(dict.fromkeys([self.eos_id, *stop_ids]))
+        # The Hugging Face directory it was read from (data.tokenizer=model), else None.
+        self.source_dir: Optional[Path] = None
 
     def prompt_ids(self, text: str) -> List[int]:
         """Ids of a prompt: BOS (where the vocabulary has one) and the text. A rendered chat
@@ -90,9 +97,88 @@ class Tokenizer:
     def save(self, path: Path) -> None:
         self.backend.save(str(path))
 
+    def hf_tokenizer_config(self) -> dict:
+        """``tokenizer_config.json`` for transformers' ``AutoTokenizer``: the special tokens the
+        trainer used and the chat template."""
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token,
+                  "eos_token": self.eos_token, "pad_token": self.pad_token, "add_bos_token": self.bos_token is not None}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template.source
+        return config
+
+    def hf_generation_config(self) -> dict:
+        """``generation_config.json``: generation stops at the run's stop ids; PAD and BOS ids."""
+        config = {"eos_token_id": list(self.stop_ids) if len(self.stop_ids) > 1 else self.eos_id,
+                  "pad_token_id": self.pad_id}
+        if self.bos_id is not None:
+            config["bos_token_id"] = self.bos_id
+        return config
+
+    def save_pretrained(self, directory: Path) -> None:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` into
+        ``directory``, so that ``AutoTokenizer``/``GenerationConfig.from_pretrained`` read the
+        run's EOS and PAD. A tokenizer read from a checkpoint keeps that checkpoint's files
+        (sampling defaults, added tokens), with the keys it lacks filled in."""
+        directory = Path(directory)
+        if self.source_dir is not None:
+            for name in HF_TOKENIZER_FILES:
+                if (self.source_dir / name).is_file() and self.source_dir.resolve() != directory.resolve():
+                    shutil.copy2(self.source_dir / name, directory / name)
+        self.save(directory / "tokenizer.json")
+        _fill_json(directory / "tokenizer_config.json", self.hf_tokenizer_config())
+        _fill_json(directory / "generation_config.json", self.hf_generation_config())
+
     @classmethod
     def load(cls, path: Path) -> "Tokenizer":
         return cls(HFTokenizer.from_file(str(path)))
+
+
+# The tokenizer files of a Hugging Face directory (copied with it).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja",
+                      "chat_template.json")
+
+
+def _fill_json(path: Path, values: dict) -> None:
+    """Write ``values`` into the JSON object at ``path`` where it has no (or a null) value."""
+    try:
+        current = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        current = {}
+    if not isinstance(current, dict):
+        current = {}
+    merged = {**current, **{k: v for k, v in values.items() if current.get(k) is None}}
+    if merged != current or not path.is_file():
+        path.write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
+
+
+def complete_hf_tokenizer_dir(directory: Path) -> bool:
+    """Give a directory holding a ``tokenizer.json`` the ``tokenizer_config.json`` and
+    ``generation_config.json`` keys transformers needs to know EOS and PAD (a run's directory
+    before it saved them, or a bare tokenizer.json): EOS from either file, else this project's
+    ``<eos>``. Returns whether it knows EOS (False: nothing written)."""
+    directory = Path(directory)
+    try:
+        backend = HFTokenizer.from_file(str(directory / "tokenizer.json"))
+        config = _read_json(directory / "tokenizer_config.json")
+        generation = _read_json(directory / "generation_config.json")
+    except Exception:  # no tokenizer.json, or files this cannot read: left as they are
+        return False
+    stop = generation.get("eos_token_id")
+    stop = [stop] if isinstance(stop, int) else list(stop or [])
+    eos = _token_text(config.get("eos_token")) or (backend.id_to_token(stop[0]) if stop else None)
+    if eos is None and backend.token_to_id(EOS) is not None:
+        eos = EOS
+    if eos is None or backend.token_to_id(eos) is None:
+        return False
+    pad = _token_text(config.get("pad_token")) or (PAD if backend.token_to_id(PAD) is not None and eos == EOS else eos)
+    bos = _token_text(config.get("bos_token"))
+    if bos is None and "bos_token" not in config and eos == EOS and backend.token_to_id(BOS) is not None:
+        bos = BOS
+    tokenizer = Tokenizer(backend, pad=pad, bos=bos, eos=eos, stop_ids=stop)
+    _fill_json(directory / "tokenizer_config.json", tokenizer.hf_tokenizer_config())
+    _fill_json(directory / "generation_config.json", tokenizer.hf_generation_config())
+    return True
 
 
 def char_tokenizer(alphabet: str) -> Tokenizer:
@@ -164,7 +250,9 @@ def load_pretrained_tokenizer(directory: str) -> Tokenizer:
     # Plain prompts start with BOS where the checkpoint has one, unless its config says not to add it.
     if not config.get("add_bos_token", bos is not None):
         bos = None
-    return Tokenizer(backend, pad=pad, bos=bos, eos=eos, chat_template=chat, stop_ids=stop)
+    tokenizer = Tokenizer(backend, pad=pad, bos=bos, eos=eos, chat_template=chat, stop_ids=stop)
+    tokenizer.source_dir = root
+    return tokenizer
 
 
 # A ChatML template with tools in the Qwen/Hermes convention (``<tool_call>{json}</tool_call>``),

@@ -42,6 +42,7 @@ def _parse(args: List[str]):
 
 def main(argv: Optional[List[str]] = None) -> int:
     from ..config import ConfigError, load_config
+    from ..config.load import recipe_name
     from ..errors import UserError, report
     from ..stop import record_exit
     from .plan import plan_for
@@ -60,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if per_node is None else per_node
     try:
         cfg = load_config(recipe, overrides, distributed=True)
-        cfg.trainer.recipe = recipe
+        cfg.trainer.recipe = recipe_name(recipe, cfg.trainer.recipe)
         plan = plan_for(cfg, world, per_node)
         if cfg.learner.cp > 1 and not dry_run:
             from ..models.gpt import te_available

@@ -221,8 +221,39 @@ def megatron_to_hf_checkpoint(src: Path | str, out: Path | str, dtype: Optional[
         raise ConversionError(f"output directory {out} is not empty")
     write_hf_checkpoint(out, hf_tensors(state.items(), cfg), hf_config, dtype=_DTYPES[dtype],
                         max_shard_bytes=max_shard_bytes, progress=progress)
-    copy_tokenizer_files(tokenizer_dir or src, out)
+    _write_tokenizer(tokenizer_source(src, tokenizer_dir), out)
     return out
+
+
+def run_dir_of(checkpoint: Path | str) -> Optional[Path]:
+    """The run directory of a run's ``<run_dir>/checkpoints/step_N``, else None."""
+    checkpoint = Path(checkpoint).resolve()
+    if checkpoint.parent.name == "checkpoints" and (checkpoint.parent.parent / "config.yaml").is_file():
+        return checkpoint.parent.parent
+    return None
+
+
+def tokenizer_source(checkpoint: Path | str, tokenizer_dir: Optional[Path | str] = None) -> Optional[Path]:
+    """Where a checkpoint's tokenizer files are: ``tokenizer_dir`` when given, else those saved
+    beside the checkpoint (a converted one), else its run directory's (the tokenizer the run
+    trained with), else None."""
+    if tokenizer_dir is not None:
+        return Path(tokenizer_dir)
+    if (Path(checkpoint) / "tokenizer.json").is_file():
+        return Path(checkpoint)
+    run_dir = run_dir_of(checkpoint)
+    if run_dir is not None and (run_dir / "tokenizer.json").is_file():
+        return run_dir
+    return None
+
+
+def _write_tokenizer(source: Optional[Path | str], out: Path) -> None:
+    """Copy the tokenizer files, then fill in the EOS/PAD keys transformers needs where they lack."""
+    from ..data.tokenizer import complete_hf_tokenizer_dir
+
+    if source is not None:
+        copy_tokenizer_files(source, out)
+    complete_hf_tokenizer_dir(out)
 
 
 def megatron_to_megatron_checkpoint(src: Path | str, out: Path | str, dtype: Optional[str] = None) -> Path:
@@ -257,7 +288,5 @@ def export_hf_checkpoint(tensors: Iterable[Tuple[str, torch.Tensor]], cfg: Model
     base = read_hf_config(cfg.path) if cfg.path and is_hf_dir(cfg.path) else None
     out = Path(out)
     write_hf_checkpoint(out, tensors, hf_config_from_model(cfg, vocab_size, base))
-    source = tokenizer_dir or (cfg.path if base is not None else None)
-    if source is not None:
-        copy_tokenizer_files(source, out)
+    _write_tokenizer(tokenizer_dir or (cfg.path if base is not None else None), out)
     return out

@@ -2,8 +2,16 @@
 answer equals the reference as mathematics (``\\frac{1}{2}`` = ``0.5`` = ``1/2``, intervals,
 sets, LaTeX, units and degrees dropped), else 0.0.
 
-The final answer is the last ``\\boxed{...}`` of the completion; without one, math-verify's own
-extraction reads the end of the text ("the answer is 5", a last ``$...$``, a last number).
+The final answer is the last ``\\boxed{...}`` of the completion, together with the boxes right
+before it that only a separator parts from it (``\\boxed{2}, \\boxed{3}`` and ``\\boxed{2} and
+\\boxed{3}`` answer "2, 3"); without one, math-verify's own extraction reads the end of the text
+("the answer is 5", a last ``$...$``, a last number).
+
+Two notations math-verify does not read are rewritten first, in the answer and the reference:
+a repeating decimal (``0.\\overline{3}``, ``1.2\\overline{3}``, ``\\bar`` or ``\\dot``) becomes its
+fraction, and a number with a percent sign (``50\\%``, ``50%``, ``50 percent``) equals that number
+with or without the sign and its hundredth (``50\\%`` = ``50`` = ``0.5`` = ``\\frac12``), while two bare
+numbers are compared as written (``50`` ≠ ``0.5``) and two percentages by their numbers.
 
 Model output is hostile input: sympy evaluates integer powers and factorials eagerly and the
 LaTeX parser recurses on nesting, so one short answer like ``9^{9^{9}}`` could hold a worker (and
@@ -16,8 +24,10 @@ are off here: the reward pool kills the worker process of a call past ``reward.t
 from __future__ import annotations
 
 import re
+from decimal import Decimal
+from fractions import Fraction
 from functools import lru_cache
-from typing import Optional
+from typing import List, Optional, Tuple
 
 # Characters of the completion's end that are searched for the answer (a boxed answer sits at the
 # end; a 1 MB completion costs no more than this).
@@ -44,20 +54,97 @@ _FACTORIAL_OF_NUMBER = re.compile(r"(\d[\d,]*)\s*!")
 _COMBINATORIAL = re.compile(r"[)}\]]\s*!|\\[dt]?binom|\\choose|\\Gamma|factorial|binomial")
 _LITERAL = re.compile(r"\d[\d,]*(?:\.\d+)?")
 _DIGIT_RUN = re.compile(r"\d{%d,}" % (MAX_DIGITS + 1))
+# Most boxes read as one answer list (math-verify joins up to six connected expressions).
+MAX_BOXES = 6
+# What may stand between two boxes of one answer list: spaces, $, commas, semicolons, "and", "or",
+# LaTeX spacing, those inside \text{}, and a variable's name before the next box (x_2 = \boxed{3}).
+_BOX_SEPARATOR = re.compile(r"(?:\s|\$|,|;|\band\b|\bor\b|\\[,;:! ]|\\q?quad\b|\b[a-zA-Z](?:_\{?\d+\}?)?\s*=|"
+                            r"\\(?:text|mbox|textrm)\s*\{\s*(?:,|;|and|or)?\s*,?\s*\})*\Z")
+# A repeating decimal: 0.\overline{3}, -1.2\overline{34}, .\bar{6}, 0.\dot{3}
+_REPEATING = re.compile(r"(?<![\d.])(-?)(\d*)\.(\d*)\s*\\(?:overline|bar|dot)\s*(?:\{\s*(\d{1,%d})\s*\}|(\d))"
+                        % MAX_DIGITS)
+# A number with a percent sign: 50\%, 12.5%, 1,000 percent, 50\text{\%}
+_PERCENT = re.compile(r"\s*([-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|[-+]?\.\d+)\s*"
+                      r"(?:\\?%|\\(?:text|mbox|textrm)\s*\{\s*(?:\\?%|percent|pct)\s*\}|percent|pct)\s*")
+
+
+def _closing_brace(text: str, start: int) -> Optional[int]:
+    """Index of the brace that closes the group opened just before ``start``, else None."""
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+    return None
 
 
 def last_boxed(text: str) -> Optional[str]:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox``) with balanced braces, else None."""
-    for match in reversed(list(_BOXED.finditer(text))):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start:i]
-    return None
+    boxes = final_boxes(text)
+    return boxes[-1] if boxes else None
+
+
+def final_boxes(text: str) -> List[str]:
+    """Contents of the last balanced ``\\boxed{...}`` and of the boxes before it that only a
+    separator (spaces, ``$``, a comma, "and", "or") parts from it, in order; [] without a box."""
+    matches = list(_BOXED.finditer(text))
+    boxes: List[str] = []
+    end = None  # where the text before the boxes found so far ends
+    for match in reversed(matches):
+        if end is not None and match.start() >= end:
+            continue  # a box inside one already taken
+        close = _closing_brace(text, match.end())
+        if close is None:
+            continue
+        if end is not None and close > end:
+            boxes = []  # a box around the ones taken: its content is the answer
+        elif end is not None and not _BOX_SEPARATOR.match(text[close + 1:end]):
+            break
+        boxes.insert(0, text[match.end():close])
+        end = match.start()
+        if len(boxes) == MAX_BOXES:
+            break
+    return boxes
+
+
+def repeating_to_fraction(text: str) -> str:
+    """``text`` with every repeating decimal (``0.\\overline{3}``) written as its fraction."""
+    def fraction(match: re.Match) -> str:
+        sign, whole, fixed, repeat = match.group(1), match.group(2), match.group(3), match.group(4) or match.group(5)
+        value = (Fraction(int(whole or "0")) + Fraction(int(fixed or "0"), 10 ** len(fixed))
+                 + Fraction(int(repeat), (10 ** len(repeat) - 1) * 10 ** len(fixed)))
+        if value.denominator == 1:
+            return f"{sign}{value.numerator}"
+        return f"{sign}\\frac{{{value.numerator}}}{{{value.denominator}}}"
+
+    return _REPEATING.sub(fraction, text)
+
+
+def percent_number(answer: str) -> Optional[str]:
+    """The number of an answer that is only a number with a percent sign (``"12.5\\%"`` gives
+    ``"12.5"``), else None."""
+    match = _PERCENT.fullmatch(answer)
+    return match.group(1).replace(",", "") if match else None
+
+
+def _hundredth(number: str) -> str:
+    return format(Decimal(number) / 100, "f")
+
+
+def _readings(answer: str, target: str) -> List[Tuple[str, str]]:
+    """The (answer, reference) pairs to compare: a percentage on one side only may be meant as its
+    number or as its value (50\\% against 50 or 0.5); on both sides their numbers are compared."""
+    answer_pct, target_pct = percent_number(answer), percent_number(target)
+    if answer_pct is not None and target_pct is not None:
+        return [(answer_pct, target_pct)]
+    if answer_pct is not None:
+        return [(answer_pct, target), (_hundredth(answer_pct), target)]
+    if target_pct is not None:
+        return [(answer, target_pct), (answer, _hundredth(target_pct))]
+    return [(answer, target)]
 
 
 def unsafe_reason(answer: str) -> Optional[str]:
@@ -131,16 +218,16 @@ def math_equal(completion: str, target: str) -> float:
     if not target.strip():
         raise ValueError("math_equal needs a non-empty reference answer")
     tail = completion[-TAIL_CHARS:]
-    boxed = last_boxed(tail)
-    if boxed is not None:
-        answer, text = boxed, "\\boxed{" + boxed + "}"
-    else:
-        # No box: the last lines, where "the answer is ..." or a last number would be.
-        text = answer = tail[-MAX_ANSWER_CHARS:]
+    boxes = final_boxes(tail)
+    boxed = bool(boxes)
+    # No box: the last lines, where "the answer is ..." or a last number would be.
+    answer = ", ".join(boxes) if boxed else tail[-MAX_ANSWER_CHARS:]
     if not answer.strip() or unsafe_reason(answer) is not None:
         return 0.0
-    gold = _parse_reference(target)
-    predicted = parse(text, parsing_timeout=None)
-    if not gold or not predicted:
-        return 0.0
-    return float(verify(gold, predicted, timeout_seconds=None))
+    answer, target = repeating_to_fraction(answer), repeating_to_fraction(target.strip())
+    for answer_reading, target_reading in _readings(answer, target):
+        gold = _parse_reference(target_reading)
+        predicted = parse("\\boxed{" + answer_reading + "}" if boxed else answer_reading, parsing_timeout=None)
+        if gold and predicted and verify(gold, predicted, timeout_seconds=None):
+            return 1.0
+    return 0.0
