@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ def parse_args(argv: Sequence[str]) -> tuple:
     parser.add_argument("--limit", type=int, default=0, help="first N problems of each set (0: all)")
     parser.add_argument("--samples", type=int, default=1, help="responses per problem (n)")
     parser.add_argument("--k", type=int, default=None, help="pass@k to report besides pass@1 (default: --samples)")
-    parser.add_argument("--report", type=Path, default=None, help="JSON report path (default: <run dir>/eval.json)")
+    parser.add_argument("--report", type=Path, default=None, help="JSON report path (default: <trainer.run_dir>/eval.json, else eval.json in the current directory)")
     parser.add_argument("--gsm8k", type=Path, default=None, help="GSM8K test JSONL (default: shared/data)")
     parser.add_argument("--math500", type=Path, default=None, help="MATH-500 JSONL (default: shared/data)")
     parser.add_argument("--recipe", default="tiny_cpu", help="recipe whose settings the overrides start from")
@@ -151,8 +152,29 @@ def evaluate(argv: Sequence[str]) -> Dict:
     for name, path in paths.items():
         if not Path(path).is_file():
             raise ConfigError(f"--{name}={str(path)!r}: file not found; pass --{name}=<jsonl>")
-    run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.run_dir=")), None) \
-        or tempfile.mkdtemp(prefix="megatron_rl_eval_")
+    # The trainer needs a run directory for its logs and metrics: the one given, else a temporary one
+    # that is removed at the end (the report then goes to the current directory).
+    given_run_dir = next((o.split("=", 1)[1] for o in overrides if o.startswith("trainer.run_dir=")), None)
+    run_dir = given_run_dir or tempfile.mkdtemp(prefix="megatron_rl_eval_")
+    out = args.report or (Path(given_run_dir) / "eval.json" if given_run_dir else Path("eval.json"))
+    try:
+        return _run(args, overrides, names, paths, k, run_dir, out)
+    finally:
+        if not given_run_dir:
+            _remove_run_dir(Path(run_dir))
+
+
+def _remove_run_dir(run_dir: Path) -> None:
+    """Close the log file the trainer opened in ``run_dir``, then remove the directory."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).is_relative_to(run_dir.resolve()):
+            root.removeHandler(handler)
+            handler.close()
+    shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run(args, overrides: List[str], names: List[str], paths: Dict, k: int, run_dir: str, out: Path) -> Dict:
     trainer = _build_trainer(args.recipe, overrides, EVAL_SETS[names[0]], paths[names[0]], run_dir)
     progress = None
     if not args.no_progress:
@@ -184,7 +206,6 @@ def evaluate(argv: Sequence[str]) -> Dict:
               "sampling": {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p,
                            "max_new_tokens": cfg.rollout.max_new_tokens},
               "datasets": results}
-    out = args.report or Path(run_dir) / "eval.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))
     print(_table(results, k))

@@ -329,3 +329,24 @@ def test_activation_recompute_trains_the_same(megatron_world, monkeypatch):
     for k in sa:
         if isinstance(sa[k], torch.Tensor):
             torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank, logged", [(0, True), (1, False)])
+def test_saved_checkpoint_is_logged_by_the_first_learner_rank_only(monkeypatch, tmp_path, caplog, rank, logged):
+    """Every learner rank writes its shards; "saved checkpoint" is one line, from rank 0."""
+    import logging
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint import save as save_module
+
+    monkeypatch.setattr(save_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(save_module.dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(save_module.dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(save_module, "_sharded_state", lambda learner, critic=None: {})
+    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: None)
+    if rank:  # rank 0 made the directory the shards go to
+        (tmp_path / ".step_1.tmp").mkdir()
+    with caplog.at_level(logging.INFO, logger=save_module.__name__):
+        save_checkpoint(None, tmp_path, step=1, trainer_state={})
+    assert ("saved checkpoint" in caplog.text) == logged
