@@ -50,6 +50,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (["data.min_digits=6"], False, "data.max_digits=5 must be >= data.min_digits=6"),
     (["algo.dual_clip=0.5"], False, "algo.dual_clip=0.5 must be > 1 (e.g. 3), or 0 to disable"),
     (["model.path=/nonexistent/ckpt"], False, "model.path='/nonexistent/ckpt' is not a directory"),
+    (["model.rope_scaling_factor=8", "model.rope_low_freq_factor=4"], False,
+     "model.rope_low_freq_factor=4.0 must be > 0 and < model.rope_high_freq_factor=4.0"),
 ])
 def test_config_error_text(overrides, distributed, message):
     with pytest.raises(ConfigError) as info:
