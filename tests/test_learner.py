@@ -350,3 +350,21 @@ def test_saved_checkpoint_is_logged_by_the_first_learner_rank_only(monkeypatch, 
     with caplog.at_level(logging.INFO, logger=save_module.__name__):
         save_checkpoint(None, tmp_path, step=1, trainer_state={})
     assert ("saved checkpoint" in caplog.text) == logged
+
+
+def test_start_and_resume_print_none_of_the_known_noise_warnings():
+    """Importing megatron-core, building and training a model, saving and resuming: none of the
+    TransformerEngine/Apex fallback, "full scope is deprecated" or ShardedTensor warnings."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "start_and_resume_warnings.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-W", "always::UserWarning", "-W", "always::FutureWarning", str(script)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "resumed" in out.stderr, out.stderr[-3000:]
+    for noise in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                  "full scope is deprecated", "deprecating ShardedTensor", "`load_state_dict` is deprecated"):
+        assert noise not in out.stderr, noise

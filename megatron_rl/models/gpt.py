@@ -105,6 +105,8 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, 
     family = get_family(cfg.family)
     config_class = MLATransformerConfig if cfg.kv_lora_rank is not None else TransformerConfig
     return config_class(
+        # Megatron's default ("full") is deprecated and warns at every build; [] means the same.
+        cuda_graph_scope=[],
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,

@@ -60,8 +60,9 @@ def setup_logging(log_file: Optional[Path] = None, level: int = logging.INFO) ->
     """Console + file logging; quiets megatron-core's expected CPU fallbacks (no apex / TE)."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    from .._warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # again: a caller may have reset the filters since the import
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning, module="megatron")
     handlers: list = [logging.StreamHandler()]
