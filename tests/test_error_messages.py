@@ -285,3 +285,18 @@ def test_sandbox_interpreter_and_directory_errors(sandbox_env, monkeypatch, tmp_
     sandbox.isolation_mode.cache_clear()
     with pytest.raises(sandbox.SandboxUnavailable, match="sandbox mode bubblewrap does not work on this machine"):
         sandbox.isolation_mode()
+
+
+@pytest.mark.parametrize("rank, dry_run", [("0", False), ("1", False), ("1", True)])
+def test_config_error_in_a_world_is_printed_by_rank_zero_only(monkeypatch, capsys, rank, dry_run):
+    from megatron_rl.launch.__main__ import main
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("MEGATRON_RL_EXIT_FILE", raising=False)
+    assert main(["--dry-run"] * dry_run + ["algo.group_size=1"]) == 2
+    err = capsys.readouterr().err
+    printed = "megatron_rl.launch: error: algo.group_size=1 must be >= 2" in err
+    assert printed == (rank == "0" or dry_run)
+    assert err.count("error:") == printed
