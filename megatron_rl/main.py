@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from typing import Callable, List, Optional
 
 USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] [key=value ...]
@@ -23,23 +24,32 @@ def run_guarded(run: Callable[[], Optional[dict]], prog: str = "megatron_rl") ->
     (an engine or a rank gone), ``STOPPED_EXIT`` for a stop on request (checkpoint written).
     The status is also written where ``MEGATRON_RL_EXIT_FILE`` says (``stop.record_exit``): torchrun
     reports any failed rank as 1, and the batch script decides from the trainer's own status."""
-    from .errors import UserError, report
+    from .errors import UserError, one_line, report
     from .learner.group import LearnerRanksFailed
     from .plugins import PluginError
     from .scheduler.controller import RolloutsStopped
     from .stop import STOPPED_EXIT, StopRequested, record_exit
+    from .telemetry.run_dir import note_in_run_log
 
     try:
         summary = run()
     except (UserError, PluginError) as err:
+        # The reason reaches logs/train.log too, when the run directory was made before it.
+        note_in_run_log(one_line(err), prog)
         return record_exit(report(err, prog))
     except (RolloutsStopped, LearnerRanksFailed) as err:
+        note_in_run_log(str(err), prog)
         print(f"{prog}: error: {err}", file=sys.stderr)
         return record_exit(1)
     except StopRequested as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return record_exit(STOPPED_EXIT)
-    except BaseException:
+    except BaseException as err:
+        # A bug (or Ctrl-C): the traceback goes to stderr as Python prints it, and to train.log.
+        if isinstance(err, Exception):
+            note_in_run_log(f"unexpected error:\n{traceback.format_exc().rstrip()}", prog)
+        else:
+            note_in_run_log(f"interrupted ({type(err).__name__})", prog)
         record_exit(1)
         raise
     if summary is not None:

@@ -51,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
     (["algo.dual_clip=0.5"], False, "algo.dual_clip=0.5 must be > 1 (e.g. 3), or 0 to disable"),
     (["model.path=/nonexistent/ckpt"], False, "model.path='/nonexistent/ckpt' is not a directory"),
     (["rollout.max_model_len=100000"], False, "rollout.max_model_len=100000 must lie between data.max_prompt_tokens"),
+    (["model.rope_scaling_factor=8", "model.rope_low_freq_factor=4"], False,
+     "model.rope_low_freq_factor=4.0 must be > 0 and < model.rope_high_freq_factor=4.0"),
 ])
 def test_config_error_text(overrides, distributed, message):
     with pytest.raises(ConfigError) as info:
@@ -292,3 +294,18 @@ def test_sandbox_interpreter_and_directory_errors(sandbox_env, monkeypatch, tmp_
     sandbox.isolation_mode.cache_clear()
     with pytest.raises(sandbox.SandboxUnavailable, match="sandbox mode bubblewrap does not work on this machine"):
         sandbox.isolation_mode()
+
+
+@pytest.mark.parametrize("rank, dry_run", [("0", False), ("1", False), ("1", True)])
+def test_config_error_in_a_world_is_printed_by_rank_zero_only(monkeypatch, capsys, rank, dry_run):
+    from megatron_rl.launch.__main__ import main
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.delenv("MEGATRON_RL_EXIT_FILE", raising=False)
+    assert main(["--dry-run"] * dry_run + ["algo.group_size=1"]) == 2
+    err = capsys.readouterr().err
+    printed = "megatron_rl.launch: error: algo.group_size=1 must be >= 2" in err
+    assert printed == (rank == "0" or dry_run)
+    assert err.count("error:") == printed

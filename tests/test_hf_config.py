@@ -38,14 +38,23 @@ def test_export_then_import_is_the_same_model():
     assert model_config_from_hf(hf_config_from_model(cfg, vocab, LLAMA31_V4)) == (cfg, vocab)
 
 
+def test_llama3_rope_with_any_original_context_and_factors_is_read_and_written_back():
+    rope = {**LLAMA31_V4["rope_scaling"], "original_max_position_embeddings": 4096, "low_freq_factor": 2.0,
+            "high_freq_factor": 8.0}
+    cfg, vocab = model_config_from_hf({**LLAMA31_V4, "rope_scaling": rope})
+    assert (cfg.rope_original_max_position_embeddings, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor) == (
+        4096, 2.0, 8.0)
+    back = hf_config_from_model(cfg, vocab)
+    assert {k: back["rope_scaling"][k] for k in rope} == rope
+    assert model_config_from_hf(back) == (cfg, vocab)
+
+
 @pytest.mark.parametrize("change,fragment", [
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"mlp_bias": True}, "mlp_bias=True is not supported"),
     ({"attention_bias": True}, "attention_bias=True is not supported for LlamaForCausalLM"),
     ({"use_sliding_window": True}, "use_sliding_window=True is not supported"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not supported"),
-    ({"rope_scaling": {**LLAMA31_V4["rope_scaling"], "original_max_position_embeddings": 4096}},
-     "original_max_position_embeddings=4096 is not supported"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quant_method='fp8'"),
     ({"architectures": ["MambaForCausalLM"]}, "unsupported architecture 'MambaForCausalLM'"),
     ({"architectures": []}, "no 'architectures' entry"),

@@ -329,3 +329,42 @@ def test_activation_recompute_trains_the_same(megatron_world, monkeypatch):
     for k in sa:
         if isinstance(sa[k], torch.Tensor):
             torch.testing.assert_close(sa[k], sb[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rank, logged", [(0, True), (1, False)])
+def test_saved_checkpoint_is_logged_by_the_first_learner_rank_only(monkeypatch, tmp_path, caplog, rank, logged):
+    """Every learner rank writes its shards; "saved checkpoint" is one line, from rank 0."""
+    import logging
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint import save as save_module
+
+    monkeypatch.setattr(save_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(save_module.dist, "get_rank", lambda group=None: rank)
+    monkeypatch.setattr(save_module.dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(save_module, "_sharded_state", lambda learner, critic=None: {})
+    monkeypatch.setattr(dist_checkpointing, "save", lambda state, path: None)
+    if rank:  # rank 0 made the directory the shards go to
+        (tmp_path / ".step_1.tmp").mkdir()
+    with caplog.at_level(logging.INFO, logger=save_module.__name__):
+        save_checkpoint(None, tmp_path, step=1, trainer_state={})
+    assert ("saved checkpoint" in caplog.text) == logged
+
+
+def test_start_and_resume_print_none_of_the_known_noise_warnings():
+    """Importing megatron-core, building and training a model, saving and resuming: none of the
+    TransformerEngine/Apex fallback, "full scope is deprecated" or ShardedTensor warnings."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "start_and_resume_warnings.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    out = subprocess.run([sys.executable, "-W", "always::UserWarning", "-W", "always::FutureWarning", str(script)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and "resumed" in out.stderr, out.stderr[-3000:]
+    for noise in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+                  "full scope is deprecated", "deprecating ShardedTensor", "`load_state_dict` is deprecated"):
+        assert noise not in out.stderr, noise

@@ -75,3 +75,34 @@ def test_keep_rows_in_place_and_missing_file(tmp_path):
     path.write_text('{"step": 1}\n{"step": 2}\n')
     assert keep_jsonl_rows(path, lambda r: r["step"] < 2) == [{"step": 1}]
     assert path.read_text() == '{"step": 1}\n'
+
+
+def test_a_run_that_fails_at_start_says_why_in_its_log(tmp_path, capsys):
+    """The run directory is made, then the data cannot be read: train.log says so, as stderr does."""
+    import logging
+
+    from megatron_rl.main import main, run_guarded
+    from megatron_rl.telemetry.run_dir import setup_logging
+
+    try:
+        assert main([f"trainer.run_dir={tmp_path}", "data.name=jsonl", "data.path=/nonexistent/x.jsonl"]) == 2
+        log = (tmp_path / "logs" / "train.log").read_text()
+        assert "data.path='/nonexistent/x.jsonl': file not found" in log
+        assert "data.path='/nonexistent/x.jsonl': file not found" in capsys.readouterr().err
+
+        # An unexpected error (a bug): its traceback reaches the log.
+        setup_logging(tmp_path / "logs" / "bug.log")
+
+        def broken():
+            raise ZeroDivisionError("a bug at start")
+
+        try:
+            run_guarded(broken)
+        except ZeroDivisionError:
+            pass
+        log = (tmp_path / "logs" / "bug.log").read_text()
+        assert "unexpected error:" in log and "Traceback" in log and "ZeroDivisionError: a bug at start" in log
+    finally:
+        setup_logging()  # no file handler left behind for later tests
+        logging.getLogger().handlers[:] = [h for h in logging.getLogger().handlers
+                                           if not isinstance(h, logging.FileHandler)]

@@ -64,7 +64,8 @@ def save_checkpoint(learner, root: Path, step: int, trainer_state: Dict[str, Any
         _rotate(root, keep)
     if dist.is_initialized():
         dist.barrier()
-    logger.info("saved checkpoint %s", final)
+    if rank0:  # once, not once per learner rank
+        logger.info("saved checkpoint %s", final)
     return final
 
 

@@ -34,9 +34,15 @@ class ModelConfig:
     head_dim: Optional[int] = None
     # RoPE base frequency (theta).
     rotary_base: float = 10000.0
-    # Llama 3.x RoPE frequency scaling factor (low/high frequency factors 1/4, original context 8192);
-    # None: plain RoPE.
+    # Llama 3.x RoPE frequency scaling factor; None: plain RoPE.
     rope_scaling_factor: Optional[float] = None
+    # Llama 3.x RoPE scaling: wavelengths longer than original context / low factor are divided by
+    # rope_scaling_factor (used only with model.rope_scaling_factor).
+    rope_low_freq_factor: float = 1.0
+    # Llama 3.x RoPE scaling: wavelengths shorter than original context / high factor are kept.
+    rope_high_freq_factor: float = 4.0
+    # Llama 3.x RoPE scaling: the context the model was pretrained at (original_max_position_embeddings).
+    rope_original_max_position_embeddings: int = 8192
     # Epsilon of the RMSNorm layers.
     norm_epsilon: float = 1e-6
     # Share the input embedding with the output projection.

@@ -215,6 +215,11 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"model.hidden_size={m.hidden_size} must be divisible by "
             f"model.num_attention_heads={m.num_attention_heads}"
         )
+    if m.rope_scaling_factor is not None and not (0 < m.rope_low_freq_factor < m.rope_high_freq_factor
+                                                  and m.rope_original_max_position_embeddings > 0):
+        raise ConfigError(f"model.rope_low_freq_factor={m.rope_low_freq_factor} must be > 0 and < "
+                          f"model.rope_high_freq_factor={m.rope_high_freq_factor}, and "
+                          "model.rope_original_max_position_embeddings > 0 (Llama-3 RoPE scaling; e.g. 1, 4, 8192)")
     if m.num_attention_heads % m.num_query_groups:
         raise ConfigError(
             f"model.num_attention_heads={m.num_attention_heads} must be divisible by "

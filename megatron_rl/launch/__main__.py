@@ -43,7 +43,7 @@ def _parse(args: List[str]):
 def main(argv: Optional[List[str]] = None) -> int:
     from ..config import ConfigError, load_config
     from ..config.load import recipe_name
-    from ..errors import UserError, report
+    from ..errors import USAGE_EXIT, UserError, report
     from ..stop import record_exit
     from .plan import plan_for
 
@@ -71,7 +71,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 raise ConfigError(f"learner.cp={cfg.learner.cp} needs TransformerEngine's attention (CUDA); "
                                   "megatron-core's local attention has no context parallelism: use learner.cp=1")
     except UserError as err:  # ConfigError, PlacementError
-        return record_exit(report(err, "megatron_rl.launch"))
+        if dry_run or os.environ.get("RANK", "0") == "0":
+            return record_exit(report(err, "megatron_rl.launch"))
+        return USAGE_EXIT  # every rank finds the same error: rank 0 alone prints it
     if dry_run:
         print(plan.table())
         return 0

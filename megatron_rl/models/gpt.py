@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..config.schema import ModelConfig
 from .cpu_patches import apply_cpu_patches, cuda_available
 from .families import get_family
+from .rope import use_llama3_rope
 from .thread_safety import make_thread_safe
 
 logger = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ def transformer_config(cfg: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, 
     family = get_family(cfg.family)
     config_class = MLATransformerConfig if cfg.kv_lora_rank is not None else TransformerConfig
     return config_class(
+        # Megatron's default ("full") is deprecated and warns at every build; [] means the same.
+        cuda_graph_scope=[],
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -223,10 +226,11 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
         share_embeddings_and_output_weights=cfg.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(cfg.rotary_base),
-        # Megatron's rope_scaling is Llama 3's frequency scaling (hf_config checks its constants).
-        rope_scaling=cfg.rope_scaling_factor is not None,
-        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
+    if cfg.rope_scaling_factor is not None:
+        # Llama 3's frequency scaling, our table: Megatron's (rope_scaling=True) fixes the low/high
+        # frequency factors and the original context at 1, 4 and 8192.
+        use_llama3_rope(model, cfg)
     norms_in_model_dtype(model, config.params_dtype)
     if kv_attention:
         bias_in_matmul_without_grad(model)

@@ -17,8 +17,11 @@ from ..config.schema import ModelConfig
 from .families import Family, family_for_architecture, get_family
 from ..errors import UserError
 
-# Megatron's Llama-3 RoPE scaling has these constants built in (rotary_pos_embedding._apply_scaling).
-_LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# Llama-3 RoPE scaling keys of config.json -> ModelConfig fields (the frequency table is built from
+# them in models/rope.py), with transformers' defaults.
+_LLAMA3_ROPE_KEYS = {"low_freq_factor": ("rope_low_freq_factor", 1.0),
+                     "high_freq_factor": ("rope_high_freq_factor", 4.0),
+                     "original_max_position_embeddings": ("rope_original_max_position_embeddings", 8192)}
 
 
 class UnsupportedConfigError(UserError):
@@ -49,19 +52,17 @@ def _rope_params(hf: Dict[str, Any]) -> Dict[str, Any]:
     return {**scaling, **params}
 
 
-def _rope(hf: Dict[str, Any], allow_yarn: bool = False) -> Tuple[float, Optional[float]]:
-    """(rope theta, Llama-3 scaling factor or None) from either config spelling."""
+def _rope(hf: Dict[str, Any], allow_yarn: bool = False) -> Tuple[float, Optional[float], Dict[str, Any]]:
+    """(rope theta, Llama-3 scaling factor or None, the other Llama-3 ModelConfig fields) from
+    either config spelling."""
     params = _rope_params(hf)
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default" or (rope_type == "yarn" and allow_yarn):
-        return float(theta), None
+        return float(theta), None, {}
     if rope_type == "llama3":
-        for key, want in _LLAMA3_ROPE_FIXED.items():
-            if float(params.get(key, want)) != want:
-                raise UnsupportedConfigError(f"rope_parameters.{key}={params[key]} is not supported "
-                                             f"(Megatron's Llama-3 RoPE scaling fixes it at {want})")
-        return float(theta), float(params["factor"])
+        fields = {field: type(default)(params.get(key, default)) for key, (field, default) in _LLAMA3_ROPE_KEYS.items()}
+        return float(theta), float(params["factor"]), fields
     raise UnsupportedConfigError(f"rope_parameters.rope_type={rope_type!r} is not supported "
                                  f"(default, llama3{', yarn' if allow_yarn else ''})")
 
@@ -140,7 +141,7 @@ def model_config_from_hf(hf: Dict[str, Any], dtype: str = "fp32") -> Tuple[Model
                                      f"{family.architecture} (q/k/v biases: {family.qkv_bias})")
     if float(hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise UnsupportedConfigError(f"config.json partial_rotary_factor={hf['partial_rotary_factor']} is not supported")
-    theta, rope_factor = _rope(hf, allow_yarn=family.mla)
+    theta, rope_factor, llama3_rope = _rope(hf, allow_yarn=family.mla)
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim")
@@ -155,6 +156,7 @@ def model_config_from_hf(hf: Dict[str, Any], dtype: str = "fp32") -> Tuple[Model
         head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
         rotary_base=theta,
         rope_scaling_factor=rope_factor,
+        **llama3_rope,
         norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         init_method_std=float(hf.get("initializer_range", 0.02)),
@@ -185,7 +187,7 @@ def hf_config_from_model(cfg: ModelConfig, vocab_size: int, base: Optional[Dict[
     rope: Dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
     if cfg.rope_scaling_factor is not None:
         rope = {"rope_theta": cfg.rotary_base, "rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                **_LLAMA3_ROPE_FIXED}
+                **{key: getattr(cfg, field) for key, (field, _) in _LLAMA3_ROPE_KEYS.items()}}
     out.pop("rope_scaling", None)
     out.update(
         architectures=[family.architecture],

@@ -42,12 +42,27 @@ def holds_a_run(run_dir: Path) -> bool:
         checkpoints.is_dir() and any(p.name.startswith("step_") for p in checkpoints.iterdir()))
 
 
+def note_in_run_log(text: str, name: str = "megatron_rl") -> bool:
+    """Write ``text`` to the run directory's log file (``logs/train.log``) only, not the console:
+    the reason a run stopped, which the console already shows on stderr. False when no run log is
+    open yet (the run stopped before its directory was made)."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not files:
+        return False
+    record = logging.LogRecord(name, logging.ERROR, __file__, 0, text, None, None)
+    for handler in files:
+        handler.handle(record)
+        handler.flush()
+    return True
+
+
 def setup_logging(log_file: Optional[Path] = None, level: int = logging.INFO) -> None:
     """Console + file logging; quiets megatron-core's expected CPU fallbacks (no apex / TE)."""
     import warnings
 
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine.*")
+    from .._warnings import quiet_known_warnings
+
+    quiet_known_warnings()  # again: a caller may have reset the filters since the import
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     warnings.filterwarnings("ignore", category=FutureWarning, module="megatron")
     handlers: list = [logging.StreamHandler()]
