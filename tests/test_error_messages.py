@@ -3,6 +3,7 @@ cheap ones here: config, data, resume, conversion and learner-rank failures; the
 tests of their own module). tests/test_docs.py checks that every listed fragment is in a test."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -233,13 +234,18 @@ def test_learner_ranks_failed_text(tmp_path):
 
 
 @pytest.fixture
-def sandbox_env(monkeypatch):
-    """The sandbox's environment keys restored afterwards (configure sets them for the workers)."""
+def sandbox_env():
+    """The sandbox's environment keys cleared for the test and restored afterwards: configure()
+    writes them straight into os.environ (for the workers). Torn down after a monkeypatch the
+    test asks for later, so values a test sets outside it do not reach later tests."""
     from megatron_rl.rewards import sandbox
 
-    for key in (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV):
-        monkeypatch.delenv(key, raising=False)
+    keys = (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV)
+    saved = {key: os.environ.pop(key) for key in keys if key in os.environ}
     yield sandbox
+    for key in keys:
+        os.environ.pop(key, None)
+    os.environ.update(saved)
     sandbox.isolation_mode.cache_clear()
     sandbox.program_python.cache_clear()
 
@@ -282,6 +288,7 @@ def test_sandbox_interpreter_and_directory_errors(sandbox_env, monkeypatch, tmp_
         sandbox.configure("rlimits", allow_weak=True, python="/nonexistent/python3")
     monkeypatch.undo()
     for key in (sandbox.MODE_ENV, sandbox.ALLOW_WEAK_ENV, sandbox.PYTHON_ENV):
+        os.environ.pop(key, None)  # set by configure() above, outside the monkeypatch
         monkeypatch.delenv(key, raising=False)
     private = tmp_path / "private_dir"
     private.mkdir(mode=0o700)

@@ -324,6 +324,7 @@ def test_root_with_an_unreadable_python_and_no_system_python_refuses(private_pyt
     if os.geteuid() != 0:
         pytest.skip("programs run as the trainer's user when it is not root")
     monkeypatch.setattr(sandbox, "SYSTEM_PYTHONS", ())
+    monkeypatch.delenv(sandbox.PYTHON_ENV, raising=False)
     for weak in ("namespaces+rlimits", "rlimits"):
         monkeypatch.setenv(sandbox.MODE_ENV, weak)
         _clear_caches()

@@ -78,9 +78,10 @@ def test_dry_run_prints_the_batch_script(tmp_path):
                  # the trainer's own status decides the requeue; TERM (scancel) never requeues
                  f'export MEGATRON_RL_EXIT_FILE="$RUN_DIR/slurm/exit-status-$SLURM_JOB_ID"', "trap on_cancel TERM",
                  '[ "$status" -eq 3 ] && [ "$warned" -eq 1 ] && [ "$cancelled" -eq 0 ]',
-                 # threads from the job's allocation, a rendezvous port per job
+                 # threads from the job's allocation, a rendezvous port and id per job and attempt
                  "CORES=${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}",
-                 "RDZV_PORT=$(( 20000 + SLURM_JOB_ID % 20000 ))"):
+                 "RDZV_PORT=$(( 20000 + (SLURM_JOB_ID * 16 + ${SLURM_RESTART_COUNT:-0} % 16) % 20000 ))",
+                 '--rdzv-id="$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"'):
         assert line in script, line
     assert "trap request_stop USR1 TERM" not in script and "29500" not in script
     assert not (tmp_path / "slurm").exists()  # a dry run writes nothing

@@ -68,7 +68,11 @@ def render(spec: JobSpec) -> str:
     header = "\n".join(f"#SBATCH {d}" for d in directives)
     # Cores of this job on the node (Slurm's allocation, not the node's), shared among its ranks.
     cores = "${SLURM_CPUS_PER_TASK:-${SLURM_CPUS_ON_NODE:-$(nproc)}}"
-    port = str(spec.rdzv_port) if spec.rdzv_port else "$(( 20000 + SLURM_JOB_ID % 20000 ))"
+    # Derived from the job id (two jobs on a node differ) and the attempt: a requeued job's new
+    # rendezvous must not meet the store of its previous attempt, whose processes may still be
+    # going away (torchrun's c10d backend then joins the old store as a client and fails).
+    port = (str(spec.rdzv_port) if spec.rdzv_port
+            else "$(( 20000 + (SLURM_JOB_ID * 16 + ${SLURM_RESTART_COUNT:-0} % 16) % 20000 ))")
     return f"""#!/usr/bin/env bash
 {header}
 # Written by `python -m megatron_rl.slurm submit`; resubmitting it continues the same run.
@@ -103,7 +107,7 @@ trap on_cancel TERM
 
 srun --kill-on-bad-exit=1 {spec.python} -m torch.distributed.run \\
   --nnodes="$SLURM_NNODES" --nproc-per-node={spec.ranks_per_node} \\
-  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \\
+  --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}" \\
   -m megatron_rl.launch {train_args} &
 pid=$!
 # `wait` returns early when a trapped signal arrives: keep waiting for the training to stop.
