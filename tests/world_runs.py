@@ -104,6 +104,18 @@ def alive_after(pids: Sequence[int], seconds: float) -> List[int]:
     return left
 
 
+def describe(pids: Sequence[int]) -> str:
+    """State, parent and command line of each process, for an assertion message."""
+    out = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:
+            cmd = "?"
+        out.append(f"{pid} {_stat(pid)} {cmd}")
+    return "; ".join(out)
+
+
 def world_ranks(run_dir: Path) -> List[dict]:
     return json.loads((Path(run_dir) / "world.json").read_text())["ranks"]
 
