@@ -59,6 +59,7 @@ def checkpoint_writer_dies_with_us() -> None:
     it mid-save. Start that Manager here, with a parent-death signal and TERM ignored, and hand
     Megatron its queue (idempotent)."""
     global _writer_manager
+    forks_die_with_us()
     if _writer_manager is not None:
         return
     import multiprocessing as mp
@@ -74,6 +75,22 @@ def checkpoint_writer_dies_with_us() -> None:
     manager.start(initializer=_checkpoint_writer_init, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _writer_manager = manager
+
+
+_fork_hook = False
+
+
+def forks_die_with_us() -> None:
+    """Give every child this process forks from now on the parent-death signal (idempotent).
+    megatron-core's checkpoint writer forks its worker processes (multiprocessing's fork context,
+    no initializer of ours): a rank SIGKILLed during a save left such a worker alive, orphaned,
+    in the rank's session, out of reach of a kill of the launcher's process group. The signal
+    follows the forking thread, which waits for the writers within the save."""
+    global _fork_hook
+    if _fork_hook or not hasattr(os, "register_at_fork"):
+        return
+    os.register_at_fork(after_in_child=lambda: die_with_parent(os.getppid()))
+    _fork_hook = True
 
 
 def reap_with_us(pids) -> None:

@@ -55,3 +55,25 @@ def test_reaper_leaves_a_reused_pid_alone():
         assert bystander.poll() is None
     finally:
         bystander.kill()
+
+
+def test_a_process_forked_after_forks_die_with_us_dies_with_its_parent():
+    """What megatron-core's checkpoint writer forks during a save: killed with the rank, not
+    left orphaned in the rank's session."""
+    script = textwrap.dedent("""
+        import multiprocessing as mp, time
+        from megatron_rl.lifetime import forks_die_with_us
+        forks_die_with_us()
+        child = mp.get_context("fork").Process(target=time.sleep, args=(120,))
+        child.start()
+        print(child.pid, flush=True)
+        time.sleep(120)
+    """)
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(owner.stdout.readline())
+        assert alive([child])
+    finally:
+        owner.kill()
+        owner.wait()
+    assert not alive_after([child], 10), "the forked child outlived its killed parent"
