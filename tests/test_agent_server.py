@@ -193,27 +193,37 @@ def test_concurrent_calls_of_one_run_are_one_engine_request_each(engine, tokeniz
     assert all(r.usage.completion_tokens <= 3 for r in replies)
 
 
+async def _calls_ended_while_waiting(engine, server, run, calls: int, end):
+    """``calls`` concurrent chat calls of ``run``, held in the paused engine until ``end()`` ends
+    them; what each call raised or returned."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=server.base_url("r1"), api_key="x", max_retries=0)
+    await engine.pause()  # the calls wait in the engine until they are aborted
+    try:
+        pending = [asyncio.ensure_future(client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": f"Count to {i}."}])) for i in range(calls)]
+        while len(run.in_flight) < calls:
+            await asyncio.sleep(0.01)
+        await end()
+        return await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), 60)
+    finally:
+        await engine.resume()
+        await client.close()
+
+
 @pytest.mark.parametrize("how", ["abort_run", "engine abort of one call"])
 def test_an_abort_reaches_every_call_in_flight(engine, tokenizer, how):
-    from openai import AsyncOpenAI, ConflictError
+    from openai import ConflictError
 
     async def work(server, run):
-        client = AsyncOpenAI(base_url=server.base_url("r1"), api_key="x", max_retries=0)
-        await engine.pause()  # the calls wait in the engine until they are aborted
-        try:
-            calls = [asyncio.ensure_future(client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": f"Count to {i}."}])) for i in range(50)]
-            while len(run.in_flight) < 50:
-                await asyncio.sleep(0.01)
+        async def end():
             if how == "abort_run":
                 await server.abort_run(run)
             else:  # the engine ends one call: the run is void, so the server aborts the other 49
                 await engine.abort(["r1-t17"])
-            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
-        finally:
-            await engine.resume()
-            await client.close()
-        return results, run
+
+        return await _calls_ended_while_waiting(engine, server, run, 50, end), run
 
     results, run = _serve(engine, tokenizer, work)
     assert all(isinstance(r, ConflictError) for r in results), results
@@ -222,23 +232,14 @@ def test_an_abort_reaches_every_call_in_flight(engine, tokenizer, how):
 
 
 def test_calls_left_running_when_the_agent_returns_are_aborted_and_not_recorded(engine, tokenizer):
-    from openai import AsyncOpenAI, ConflictError
+    from openai import ConflictError
 
     async def work(server, run):
-        client = AsyncOpenAI(base_url=server.base_url("r1"), api_key="x", max_retries=0)
-        await engine.pause()
-        try:
-            calls = [asyncio.ensure_future(client.chat.completions.create(
-                model="policy", messages=[{"role": "user", "content": f"Count to {i}."}])) for i in range(5)]
-            while len(run.in_flight) < 5:
-                await asyncio.sleep(0.01)
+        async def end():
             server.close_run("r1")  # what the workflow does when the agent returns
             await server.abort_run(run, void=False)
-            results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 60)
-        finally:
-            await engine.resume()
-            await client.close()
-        return results, run
+
+        return await _calls_ended_while_waiting(engine, server, run, 5, end), run
 
     results, run = _serve(engine, tokenizer, work)
     assert all(isinstance(r, ConflictError) and r.body["code"] == "run_closed" for r in results), results
