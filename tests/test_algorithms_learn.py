@@ -20,6 +20,8 @@ import pytest
     ("reinforce_pp_baseline", 100, ["algo.name=reinforce_pp_baseline"]),
     ("gspo", 100, ["algo.policy_loss=gspo", "algo.clip_low=3e-4", "algo.clip_high=4e-4",
                    "algo.loss_agg_mode=seq-mean-token-mean"]),
+    # CISPO: the clipped importance weight with a REINFORCE gradient, no lower bound (as published).
+    ("cispo", 100, ["algo.policy_loss=cispo", "algo.clip_low=1", "algo.clip_high=0.28"]),
     # DAPO: clip-higher and token-mean are tiny_cpu's defaults; add dynamic sampling and the soft
     # overlong penalty (free up to 7 tokens, then down to -1 at 10).
     # PPO with a Megatron critic: per-token GAE advantages (γ = λ = 1, whitened).

@@ -109,6 +109,31 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     return loss * mask, stats
 
 
+def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+               mask: torch.Tensor, clip_low: float = 1.0, clip_high: float = 4.0,
+               ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """CISPO (MiniMax-M1, MiniMax 2025): a REINFORCE gradient weighted by the clipped, detached
+    importance ratio, so no token's gradient is ever dropped (PPO's clip zeroes the gradient of
+    tokens outside the trust region, often the rare "fork" tokens of a reasoning trace).
+
+      r = π_θ / π_old,  loss_t = -sg(clip(r, 1-clip_low, 1+clip_high)) · A · log π_θ(y_t).
+
+    Written as -sg(r̂)·A·exp(logp - sg(logp)): the same gradient, and the value -r̂·A (the
+    surrogate's at r = 1) instead of a log-probability-sized number. The paper bounds only the
+    top (clip_low = 1 leaves the bottom at 0). ``clipped_tokens`` counts tokens whose weight was
+    clipped, in either direction."""
+    ratio = torch.exp((logprobs - old_logprobs).detach())
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = -weight * advantages * torch.exp(logprobs - logprobs.detach())
+    with torch.no_grad():
+        stats = {
+            "clipped_tokens": ((weight != ratio).float() * mask).sum(),
+            "ratio_sum": (ratio * mask).sum(),
+            "approx_kl_sum": (((ratio - 1) - (logprobs - old_logprobs)) * mask).sum(),
+        }
+    return loss * mask, stats
+
+
 # algo.policy_loss -> its per-token loss, called as
 # fn(logprobs, old_logprobs, behav_logprobs, advantages, mask, algo) -> (per-token loss, stats):
 # one signature, so the learner calls whichever is configured the same way. ``old_logprobs`` are
@@ -141,6 +166,13 @@ def _gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: to
     return gspo_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
 
 
+@POLICY_LOSSES.register("cispo")
+def _cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+           advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
+           ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    return cispo_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
+
+
 # algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -171,3 +203,4 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "to
     if mode == "seq-mean-token-sum-norm":
         return masked.sum(), rows.sum() * norm_length
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGG_MODES}")
+

@@ -326,6 +326,33 @@ class AlgoConfig:
 
 
 @dataclass
+class CorrectionConfig:
+    """Rollout correction (algorithms/rollout_correction.py): weights and masks from the ratio
+    ρ = π_prox / π_behav of the learner's proximal policy to the engine's that sampled each token
+    (staleness and engine/learner mismatch). Every option works with every policy loss, except
+    that algo.policy_loss=decoupled already weights tokens by ρ (its own cap)."""
+    # Truncated importance weight: none | token (min(ρ_t, is_cap) per token) | sequence (the
+    # response's product of ratios, min(Π ρ_t, is_cap), on every token of it).
+    is_level: str = "none"
+    # Upper bound of the importance weight (is_level).
+    is_cap: float = 2.0
+    # Rejection (masked IS): none | token (tokens with ρ_t outside [reject_low, reject_high] leave
+    # the loss) | sequence (responses whose Π ρ_t is outside) | geometric (responses whose
+    # geometric mean exp(mean log ρ_t) is outside; length-independent, use a narrow band such as
+    # [0.999, 1.001]). IcePop: reject=token reject_low=0.5 reject_high=5 with is_level=token is_cap=5.
+    reject: str = "none"
+    # Lower edge of the kept band (None: 1 / reject_high).
+    reject_low: Optional[float] = None
+    # Upper edge of the kept band.
+    reject_high: float = 2.0
+    # > 0: leave out a whole response if any token has ρ_t below this (e.g. 1e-4); 0 disables.
+    veto_below: float = 0.0
+    # > 0: leave out tokens sampled more than this many policy versions before the weights being
+    # trained (each token's version is recorded); 0 keeps all (scheduler.max_staleness bounds them).
+    max_version_gap: int = 0
+
+
+@dataclass
 class CriticConfig:
     """The value model of algo.name=gae: the policy's architecture and parallel layout with a
     scalar head, trained with the learner's epochs, mini-batches and lr schedule shape."""
@@ -475,6 +502,7 @@ class RootConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)

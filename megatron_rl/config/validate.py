@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterable, Tuple, Union
 from ..errors import UserError
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
+from ..algorithms.rollout_correction import IS_LEVELS, REJECT_LEVELS
 from ..models.families import FAMILY_NAMES, get_family
 from ..models.shared_prefix import unsupported
 from ..rewards.verifiers import REWARDS
@@ -39,6 +40,8 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "algo.behav_weight_level": ("token", "sequence"),
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "algo.routing_replay": ("auto", "rollout", "none"),
+    "correction.is_level": IS_LEVELS,
+    "correction.reject": REJECT_LEVELS,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
     "data.template": ("plain", "qa", "math", "chat"),
@@ -158,6 +161,22 @@ def _routing_replay(cfg: RootConfig) -> None:
                           "routing to replay; set rollout.record_routing=true, or algo.routing_replay=none")
 
 
+def _correction(cfg: RootConfig) -> None:
+    """Rollout-correction values that cannot work together."""
+    c = cfg.correction
+    if c.is_level != "none" and cfg.algo.policy_loss == "decoupled":
+        raise ConfigError(f"correction.is_level={c.is_level} weights tokens by π_prox/π_behav, which "
+                          "algo.policy_loss=decoupled already does (algo.behav_imp_weight_cap): use it with "
+                          "algo.policy_loss=ppo|gspo|cispo, or correction.is_level=none")
+    if c.is_level != "none" and not c.is_cap > 0:
+        raise ConfigError(f"correction.is_cap={c.is_cap} must be > 0 (e.g. 2)")
+    if c.reject != "none":
+        low = c.reject_low if c.reject_low is not None else (1.0 / c.reject_high if c.reject_high > 0 else 0.0)
+        if not (c.reject_high > 0 and 0 <= low < c.reject_high):
+            raise ConfigError(f"correction.reject_low={c.reject_low} and correction.reject_high={c.reject_high} "
+                              "must make a band 0 <= low < high (e.g. reject_low=0.5 reject_high=2)")
+
+
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     """Check every value of a resolved config; raise ConfigError naming the first bad key.
 
@@ -201,7 +220,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
          "algo.clip_low", "algo.clip_high", "algo.behav_imp_weight_cap", "scheduler.max_staleness", "learner.weight_decay",
          "trainer.checkpoint_interval", "trainer.cpu_threads", "learner.lr_warmup_steps", "learner.min_lr",
          "scheduler.max_ahead_batches", "learner.micro_batch_overhead_tokens", "reward.overlong_buffer", "critic.value_clip",
-         "learner.max_skipped_steps",
+         "learner.max_skipped_steps", "correction.veto_below", "correction.max_version_gap",
          "trainer.gpu_telemetry_interval_s"],
         strict=False,
     )
@@ -255,6 +274,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     if cfg.reward.overlong_buffer > cfg.rollout.max_new_tokens:
         raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
+    _correction(cfg)
     if cfg.algo.kl_in_reward and cfg.algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:

@@ -40,7 +40,7 @@ MICRO_BATCH_OVERHEAD_TOKENS = {"cpu": 256, "cuda": 4096}
 
 # Per-response-token fields copied from each trajectory, aligned with the label positions.
 _TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs", "old_values",
-                 "returns")
+                 "returns", "versions")
 
 
 @dataclass
@@ -54,6 +54,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor    # [b, s] reference-model logprobs (zeros when no reference)
     old_values: torch.Tensor      # [b, s] critic values before its update (zeros without a critic)
     returns: torch.Tensor         # [b, s] the critic's regression targets (zeros without a critic)
+    versions: torch.Tensor        # [b, s] the policy version that sampled each response token
     rows: List[int]               # index of each row in the trajectory list (-1 for filler)
     # With learner.share_prompts: what the model runs instead of ``tokens`` (one row per group);
     # its logits, gathered, are laid out as ``tokens``' would be, so the loss side is unchanged.
@@ -282,6 +283,7 @@ def _token_values(traj: Trajectory) -> Dict[str, List[float]]:
         "ref_logprobs": traj.ref_logprobs if traj.ref_logprobs is not None else zeros,
         "old_values": traj.values if traj.values is not None else zeros,
         "returns": traj.returns if traj.returns is not None else zeros,
+        "versions": traj.versions,
     }
 
 

@@ -9,6 +9,7 @@ whole batch across micro-batches and data-parallel ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from functools import partial
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -17,6 +18,7 @@ import torch
 
 from ..algorithms import kl_penalty
 from ..algorithms.policy_loss import POLICY_LOSSES, aggregate_loss
+from ..algorithms.rollout_correction import Correction, rollout_correction
 from ..config.schema import RootConfig
 from ..config.validate import ConfigError, routing_replay_on
 from ..models.gpt import build_gpt_model, model_device
@@ -85,6 +87,10 @@ class Learner:
             self.ref_model.requires_grad_(False).eval()
         self.optimizer_steps = 0
         self.skipped_in_a_row = 0
+        self.correction = Correction(**dataclasses.asdict(cfg.correction))
+        # The policy version being trained (train_step's ``version``): what correction.max_version_gap
+        # measures each token's age against.
+        self._version: Optional[int] = None
         # Tests set this to compare the skipped proximal forward with the explicit one.
         self.force_proximal_forward = False
         self._proximal_in_forward = False
@@ -171,10 +177,16 @@ class Learner:
         return logits, collect
 
     # ---------------------------------------------------------------- training
-    def train_step(self, trajs: Sequence[Trajectory], temperature: float, lr: float) -> Dict[str, float]:
+    def train_step(self, trajs: Sequence[Trajectory], temperature: float, lr: float,
+                   version: Optional[int] = None) -> Dict[str, float]:
         """PPO epochs × mini-batches of optimizer steps over one batch of scored trajectories.
-        Trajectories must carry advantages; proximal (and reference) logprobs are filled here."""
+        Trajectories must carry advantages; proximal (and reference) logprobs are filled here.
+        ``version``: the policy version of the weights being trained (needed by
+        correction.max_version_gap)."""
         cfg = self.cfg
+        if self.correction.max_version_gap > 0 and version is None:
+            raise ValueError("correction.max_version_gap needs the trained policy version")
+        self._version = version
         # One optimizer step per batch: the weights before the update are the ones the training
         # forward runs with, so the proximal logprobs are that forward's own (detached) and the
         # separate forward pass over the batch is skipped.
@@ -196,6 +208,13 @@ class Learner:
         metrics["train/clip_fraction"] = metrics.pop("train/clipped_tokens")
         if "train/capped_tokens" in metrics:
             metrics["train/capped_fraction"] = metrics.pop("train/capped_tokens")
+        if self.correction.active:  # fractions of the trained tokens; the weight is a mean over the kept ones
+            for name in ("rejected", "vetoed", "version_dropped", "kept"):
+                if f"train/{name}_tokens" in metrics:
+                    metrics[f"correction/{name}_fraction"] = metrics.pop(f"train/{name}_tokens")
+            kept = totals.get("kept_tokens", 0.0)
+            metrics["correction/is_weight_mean"] = totals["is_weight_sum"] / kept if kept else float("nan")
+            del metrics["train/is_weight"]
         metrics["train/grad_norm"] = finite_mean(grad_norms)
         metrics["train/lr"] = lr
         if self.routing_stats is not None:  # collective over the stages and replicas: every rank
@@ -223,18 +242,27 @@ class Learner:
         mask = mb.loss_mask
         logprobs, entropy = token_logprobs_and_entropy(logits, mb.labels, temperature)
         old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
-        loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logprobs, old, mb.behav_logprobs, mb.advantages, mask, algo)
+        # Rollout correction: ``train`` is the mask without the tokens it leaves out and ``weight``
+        # each token's importance weight (off: the mask itself, no weight).
+        train, weight, correction_stats = mask, None, {}
+        if self.correction.active:
+            lag = (self._version - mb.versions) if self._version is not None else None
+            weight, train, correction_stats = rollout_correction(old, mb.behav_logprobs, mask, self.correction, lag)
+        loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logprobs, old, mb.behav_logprobs, mb.advantages, train, algo)
+        if weight is not None and self.correction.is_level != "none":
+            loss = loss * weight
+        stats.update(correction_stats)
         if algo.entropy_coef > 0:
-            loss = loss - algo.entropy_coef * entropy * mask
+            loss = loss - algo.entropy_coef * entropy * train
         if self.ref_model is not None:
-            kl = kl_penalty(logprobs, mb.ref_logprobs, algo.kl_estimator) * mask
+            kl = kl_penalty(logprobs, mb.ref_logprobs, algo.kl_estimator) * train
             if not algo.kl_in_reward:  # otherwise the trainer already charged it to the reward
                 loss = loss + algo.kl_coef * kl
             stats["kl_sum"] = kl.detach().sum()
         num_tokens = mask.sum()
         total = loss.sum()
         # What the optimizer step averages over (Megatron divides by the summed denominators).
-        objective, denominator = aggregate_loss(loss, mask, algo.loss_agg_mode, self.cfg.rollout.max_new_tokens)
+        objective, denominator = aggregate_loss(loss, train, algo.loss_agg_mode, self.cfg.rollout.max_new_tokens)
         stats.update(
             loss_sum=total.detach(),
             entropy_sum=(entropy.detach() * mask).sum(),

@@ -78,7 +78,7 @@ class LearnerWorker:
         else:
             assign_group_advantages(groups, cfg.algo)
         with self._span("train", step=version + 1):
-            metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr))
+            metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr, version))
             if self.critic is not None:
                 metrics.update(self.critic.train_step(flat, lr / cfg.learner.lr))
         return metrics
