@@ -1,7 +1,7 @@
 """Benchmark: policy losses side by side on one recipe, over several seeds.
 
     python tools/bench/policy_losses.py [--recipe tiny_cpu] [--steps 100] [--seeds 1,2,3] \
-        [--losses "decoupled;cispo:algo.clip_low=1,algo.clip_high=0.28"] [override ...]
+        [--losses "ppo;cispo:algo.clip_low=1,algo.clip_high=0.28"] [override ...]
 
 Each entry of --losses is `name[:override,override...]`: `algo.policy_loss=name` plus its own
 overrides; the extra arguments apply to every run. Runs are synchronous (η = 0, deterministic for a
@@ -37,7 +37,7 @@ def main() -> None:
     parser.add_argument("--recipe", default="tiny_cpu")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", default="1,2,3")
-    parser.add_argument("--losses", default="decoupled;cispo:algo.clip_low=1,algo.clip_high=0.28")
+    parser.add_argument("--losses", default="ppo;cispo:algo.clip_low=1,algo.clip_high=0.28")
     args, overrides = parser.parse_known_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     finals = {}
