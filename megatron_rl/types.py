@@ -39,7 +39,9 @@ class GenerationChunk:
 
 @dataclass
 class Trajectory:
-    """One sampled response to one prompt, as the learner needs it."""
+    """One sampled response to one prompt, as rollout and scoring made it. From the moment the
+    learner's batch is built it is frozen (``freeze``): what the learner derives from it
+    (advantages, logprobs, values) lives in learner/train_batch.py's TrainBatch."""
 
     prompt_uid: str
     sample_index: int
@@ -51,21 +53,13 @@ class Trajectory:
     finish_reason: str
     # 1 where the learner trains on the response token (0 for e.g. tool outputs in agent turns).
     loss_mask: List[int] = field(default_factory=list)
+    # Set by scoring (the verifier's reward; the learner derives what it trains on, e.g. a
+    # KL-charged reward, in its TrainBatch).
     reward: float = 0.0
     reward_info: Dict[str, Any] = field(default_factory=dict)
-    advantage: float = 0.0
     # Agent runs: the share of the run's advantage this trajectory gets (the per-turn discount of
     # earlier turns; 1 for single-turn samples).
     advantage_scale: float = 1.0
-    # Per-token advantages (PPO with a critic: GAE); when set they replace ``advantage``.
-    token_advantages: Optional[List[float]] = None
-    # The critic's values before its update and the GAE returns it regresses on, per response token.
-    values: Optional[List[float]] = None
-    returns: Optional[List[float]] = None
-    # Filled by the learner before the update: logprobs of the response under the weights about
-    # to be updated (PPO's "old" policy) and under the frozen reference model (for KL).
-    proximal_logprobs: Optional[List[float]] = None
-    ref_logprobs: Optional[List[float]] = None
     # Mixture-of-experts routing replay: the experts the engine chose in each MoE layer for every
     # position of prompt + response, a [positions, moe_layers, top_k] uint8/int16 numpy array
     # (255 / -1 where the engine computed nothing, e.g. the last response token); None if unrecorded.
@@ -81,6 +75,17 @@ class Trajectory:
                 f"{len(self.logprobs)} logprobs, {len(self.versions)} versions, "
                 f"{len(self.loss_mask)} mask entries"
             )
+
+    def freeze(self) -> "Trajectory":
+        """Refuse any later change of this trajectory (returns it)."""
+        object.__setattr__(self, "_frozen", True)
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise AttributeError(f"trajectory {self.prompt_uid}/{self.sample_index} is frozen after scoring; "
+                                 f"{name} belongs in the learner's TrainBatch (learner/train_batch.py)")
+        super().__setattr__(name, value)
 
     @property
     def oldest_version(self) -> int:

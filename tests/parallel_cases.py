@@ -9,7 +9,10 @@ from typing import Any, Dict, List
 import torch
 
 from megatron_rl.config.schema import RootConfig
+from megatron_rl.learner.train_batch import TrainBatch
 from megatron_rl.types import Trajectory
+
+from batches import advantaged
 
 VOCAB = 48  # a multiple of 8 * tp for tp <= 2, so every layout pads it the same
 
@@ -33,7 +36,7 @@ def tiny_cfg(tp: int = 1, pp: int = 1, dp_optimizer: bool = False, ep: int = 1, 
     return cfg
 
 
-def batch(n: int = 12) -> List[Trajectory]:
+def batch(n: int = 12) -> TrainBatch:
     """Responses of 1..17 tokens with mixed advantages and behaviour logprobs off-policy, four
     samples per prompt."""
     gen = torch.Generator().manual_seed(0)
@@ -43,9 +46,8 @@ def batch(n: int = 12) -> List[Trajectory]:
         resp = torch.randint(4, VOCAB, (k,), generator=gen).tolist()
         behav = (-3.0 - torch.rand(k, generator=gen)).tolist()
         # Three prompts, four samples each: GRPO groups (learner.share_prompts trains each once).
-        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3, 4 + i % 3], resp, behav, [0] * k, "stop",
-                                advantage=float(i % 3 - 1)))
-    return trajs
+        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3, 4 + i % 3], resp, behav, [0] * k, "stop"))
+    return advantaged(trajs, [float(i % 3 - 1) for i in range(len(trajs))])
 
 
 def engine_view(model: torch.nn.Module, trajs: List[Trajectory]):

@@ -38,16 +38,16 @@ def test_a_turn_that_rewrites_history_starts_a_new_trajectory_with_discount():
 
 
 def test_group_advantages_count_one_run_once():
-    from megatron_rl.algorithms.advantages import assign_group_advantages
+    from megatron_rl.algorithms.advantages import sample_advantages
     from megatron_rl.config import load_config
 
     algo = load_config("tiny_cpu", ["algo.name=dr_grpo"]).algo
     run0 = run_trajectories([Turn([1], [2], [0.0], [0], "stop"), Turn([5], [6], [0.0], [0], "stop")], "p", 0,
                             reward=1.0, turn_discount=0.5)
     run1 = run_trajectories([Turn([1], [3], [0.0], [0], "stop")], "p", 1, reward=0.0)
-    assign_group_advantages([run0 + run1], algo)
+    group = run0 + run1
     # dr_grpo: reward minus the group mean over the two runs (0.5), not over three trajectories.
-    assert [t.advantage for t in run0 + run1] == [0.25, 0.5, -0.5]
+    assert sample_advantages([group], [[t.reward for t in group]], algo) == [[0.25, 0.5, -0.5]]
 
 
 def test_tool_calls_are_parsed_and_bad_blocks_stay_text():

@@ -9,9 +9,13 @@ import torch
 from megatron_rl.algorithms import gae_advantages, masked_whiten
 from megatron_rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.config.schema import RootConfig
-from megatron_rl.learner.critic import Critic, assign_gae_advantages
+from megatron_rl.learner.critic import Critic
+from megatron_rl.learner.recipes import gae_advantages_and_returns
 from megatron_rl.learner.learner import Learner
+from megatron_rl.learner.train_batch import TrainBatch
 from megatron_rl.types import Trajectory
+
+from batches import gae_batch
 
 VOCAB = 24
 
@@ -55,9 +59,7 @@ def test_critic_regresses_on_returns(megatron_world):
     trajs = _batch()
     losses = []
     for _ in range(30):
-        critic.fill_values(trajs)
-        assign_gae_advantages(trajs, gamma=1.0, lam=1.0)
-        losses.append(critic.train_step(copy.deepcopy(trajs))["critic/value_loss"])
+        losses.append(critic.train_step(gae_batch(critic, trajs, gamma=1.0, lam=1.0))["critic/value_loss"])
     values = critic.compute_values(trajs)
     # γ = λ = 1: every token's return is the outcome reward. Past the first response token the
     # critic sees which kind of response it is in; at the first it sees only the (shared) prompt,
@@ -75,9 +77,7 @@ def test_value_clip_holds_values_near_the_old_ones_across_epochs(megatron_world)
         cfg.learner.ppo_epochs = 5  # the clip acts from the second optimizer step on the batch
         critic = Critic(cfg, VOCAB)
         trajs = _batch()
-        critic.fill_values(trajs)
-        assign_gae_advantages(trajs, 1.0, 1.0)
-        metrics = critic.train_step(trajs)
+        metrics = critic.train_step(gae_batch(critic, trajs, 1.0, 1.0))
         return critic.compute_values(trajs)[0][1:], metrics
 
     free, free_metrics = first_response_values_after(0.0)
@@ -90,33 +90,32 @@ def test_value_clip_holds_values_near_the_old_ones_across_epochs(megatron_world)
 
 def test_gae_assignment_matches_the_pure_function():
     trajs = _batch()
-    for i, t in enumerate(trajs):
-        t.values = [0.1 * (i + k) for k in range(len(t.response_ids))]
-    assign_gae_advantages(trajs, gamma=0.9, lam=0.8, whiten=False)
+    given = [[0.1 * (i + k) for k in range(len(t.response_ids))] for i, t in enumerate(trajs)]
+    batch = TrainBatch.of(trajs, rewards=[t.reward for t in trajs], values=given)
+    got_adv, got_ret = gae_advantages_and_returns(batch, gamma=0.9, lam=0.8, whiten=False)
     rewards = torch.zeros(8, 5, dtype=torch.float64)
     values = torch.zeros(8, 5, dtype=torch.float64)
     valid = torch.zeros(8, 5, dtype=torch.float64)
     for i, t in enumerate(trajs):
         n = len(t.response_ids)
         rewards[i, n - 1] = t.reward
-        values[i, :n] = torch.tensor(t.values, dtype=torch.float64)
+        values[i, :n] = torch.tensor(given[i], dtype=torch.float64)
         valid[i, :n] = 1
     adv, ret = gae_advantages(rewards, values, valid, 0.9, 0.8)
     for i, t in enumerate(trajs):
         n = len(t.response_ids)
-        assert t.token_advantages == pytest.approx(adv[i, :n].tolist())
-        assert t.returns == pytest.approx(ret[i, :n].tolist())
-    assign_gae_advantages(trajs, gamma=0.9, lam=0.8, whiten=True)
+        assert got_adv[i] == pytest.approx(adv[i, :n].tolist())
+        assert got_ret[i] == pytest.approx(ret[i, :n].tolist())
+    white_adv, _ = gae_advantages_and_returns(batch, gamma=0.9, lam=0.8, whiten=True)
     white = masked_whiten(adv, valid)
-    assert trajs[1].token_advantages == pytest.approx(white[1, :5].tolist())
+    assert white_adv[1] == pytest.approx(white[1, :5].tolist())
 
 
 def test_policy_trains_on_per_token_advantages(megatron_world):
     learner = Learner(_cfg(), VOCAB)
-    trajs = _batch()
-    for t in trajs:  # only the first token of each response carries the signal
-        sign = 1.0 if t.reward else -1.0
-        t.token_advantages = [sign] + [0.0] * (len(t.response_ids) - 1)
+    # Only the first token of each response carries the signal.
+    trajs = TrainBatch.of(_batch(), advantages=[[1.0 if t.reward else -1.0] + [0.0] * (len(t.response_ids) - 1)
+                                                for t in _batch()])
     before = learner.compute_logprobs(trajs, 1.0)
     for _ in range(5):
         learner.train_step(copy.deepcopy(trajs), 1.0, lr=1e-2)
@@ -128,9 +127,7 @@ def test_checkpoint_holds_the_critic(megatron_world, tmp_path):
     cfg = _cfg()
     torch.manual_seed(0)
     learner, critic = Learner(cfg, VOCAB), Critic(cfg, VOCAB)
-    trajs = _batch()
-    critic.fill_values(trajs)
-    assign_gae_advantages(trajs, 1.0, 1.0)
+    trajs = gae_batch(critic, _batch(), 1.0, 1.0)
     critic.train_step(copy.deepcopy(trajs))  # Adam moments are non-trivial now
     learner.train_step(copy.deepcopy(trajs), 1.0, lr=1e-2)
     save_checkpoint(learner, tmp_path, step=1, trainer_state={}, critic=critic)

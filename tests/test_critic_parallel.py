@@ -3,11 +3,14 @@ on real gloo ranks (or GPUs over NCCL: MEGATRON_RL_TEST_BACKEND=nccl) it compute
 same value loss and updated weights."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-from megatron_rl.learner.critic import Critic, assign_gae_advantages
+from megatron_rl.learner.critic import Critic
+
+from batches import gae_batch
 
 from multiprocess import backend, run_ranks
 from parallel_cases import VOCAB, batch, critic_case, tiny_cfg
@@ -24,13 +27,11 @@ def reference(megatron_world):
         for p in critic.module.parameters():
             p.add_(0.02 * torch.randn(p.shape, generator=gen).to(p.device))
     full = _cpu_state(critic.module)
-    trajs = batch()
-    for i, t in enumerate(trajs):
-        t.reward = float(i % 2)
-    critic.fill_values(trajs)
-    assign_gae_advantages(trajs, gamma=1.0, lam=0.9)
-    values = [list(t.values) for t in trajs]
-    metrics = critic.train_step(copy.deepcopy(trajs))
+    trajs = list(batch())
+    trajs = [dataclasses.replace(t, reward=float(i % 2)) for i, t in enumerate(trajs)]
+    trajs = gae_batch(critic, trajs, gamma=1.0, lam=0.9)
+    values = [list(v) for v in trajs.get("values")]
+    metrics = critic.train_step(trajs)
     updated = _cpu_state(critic.module)
     return full, trajs, values, metrics, updated
 

@@ -11,17 +11,17 @@ from megatron_rl.config.schema import RootConfig
 from megatron_rl.learner.learner import Learner
 from megatron_rl.types import Trajectory
 
+from batches import advantaged
+
 VOCAB = 24
 
 
 def _batch():
     trajs = []
     for i in range(8):
-        good = i % 2 == 0
-        resp = [5, 6, 7] if good else [9, 10, 11]
-        trajs.append(Trajectory("p", i, [1, 2, 3], resp, [-3.0] * 3, [0] * 3, "length",
-                                advantage=1.0 if good else -1.0))
-    return trajs
+        resp = [5, 6, 7] if i % 2 == 0 else [9, 10, 11]
+        trajs.append(Trajectory("p", i, [1, 2, 3], resp, [-3.0] * 3, [0] * 3, "length"))
+    return advantaged(trajs, [1.0 if i % 2 == 0 else -1.0 for i in range(8)])
 
 
 def _cfg():
@@ -84,9 +84,8 @@ def _long_tailed_batch():
     trajs = []
     for i, n in enumerate([1, 2, 2, 3, 3, 3, 4, 5, 6, 9, 17, 40]):
         resp = torch.randint(4, VOCAB, (n,), generator=gen).tolist()
-        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3], resp, [-2.5] * n, [0] * n, "stop",
-                                advantage=float(i % 3 - 1)))
-    return trajs
+        trajs.append(Trajectory("p", i, [1, 2 + i % 3, 3], resp, [-2.5] * n, [0] * n, "stop"))
+    return advantaged(trajs, [float(i % 3 - 1) for i in range(len(trajs))])
 
 
 def test_length_packing_changes_nothing_but_padding(megatron_world, monkeypatch):
@@ -192,9 +191,8 @@ def test_kl_term_leaves_the_loss_when_it_is_in_the_reward(megatron_world):
         cfg = _cfg()
         cfg.algo.kl_coef, cfg.algo.kl_in_reward = 0.1, in_reward
         learner = Learner(cfg, VOCAB)
-        trajs = copy.deepcopy(_batch())
-        for t in trajs:  # a reference that disagrees with the policy, so the KL is not zero
-            t.ref_logprobs = [-0.5] * len(t.response_ids)
+        # A reference that disagrees with the policy, so the KL is not zero.
+        trajs = _batch().with_fields(ref_logprobs=[[-0.5] * len(t.response_ids) for t in _batch()])
         results[in_reward] = learner.train_step(trajs, 1.0, lr=1e-3)
     with_kl, without = results[False], results[True]
     assert with_kl["train/kl"] == pytest.approx(without["train/kl"]) and with_kl["train/kl"] > 0.1
@@ -211,9 +209,8 @@ def test_micro_batch_layout_by_hand():
 
     a = Trajectory("a", 0, [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [0, 0, 0], "stop")
     b = Trajectory("b", 1, [6, 7, 8], [9], [-0.5], [0], "stop")
-    a.advantage, b.advantage = 1.5, -2.0
     # Within the budget the batch is trained at its own size: no filler rows.
-    (mb,) = build_micro_batches([a, b], token_budget=15, pad_id=0)
+    (mb,) = build_micro_batches(advantaged([a, b], [1.5, -2.0]), token_budget=15, pad_id=0)
     assert mb.tokens.tolist() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 0]]
     assert mb.labels.tolist() == [[2, 3, 4, 5, 0], [7, 8, 9, 0, 0]]
     assert mb.loss_mask.tolist() == [[0, 1, 1, 1, 0], [0, 0, 1, 0, 0]]
@@ -229,6 +226,7 @@ def test_micro_batch_layout_by_hand():
     # Five rows at four a micro-batch: 3 + 3 (one filler), not 4 + 4 (three).
     five = [Trajectory(f"r{i}", i, [1], [2], [-0.1], [0], "stop") for i in range(5)]
     assert [mb.rows for mb in build_micro_batches(five, token_budget=8)] == [[0, 1, 2], [3, 4, -1]]
+    b = Trajectory("b", 1, [6, 7, 8], [9], [-0.5], [0], "stop")
     b.logprobs = [-0.5, -0.6]
     with pytest.raises(ValueError, match="b/1: behav_logprobs has 2 values for 1 response tokens"):
         build_micro_batches([a, b], token_budget=15)

@@ -10,6 +10,7 @@ import torch
 
 from megatron_rl.learner.learner import Learner
 
+from batches import replacing
 from multiprocess import backend, run_ranks
 from parallel_cases import VOCAB, batch, learner_case, tiny_cfg
 
@@ -25,7 +26,7 @@ def _reference(moe: bool):
     full = _cpu_state(learner.module)
     trajs = batch()
     if moe:  # routing replay: the trajectories carry routing the learner's own router partly disagrees with
-        _attach_other_routing(learner.module, trajs)
+        trajs = _attach_other_routing(learner.module, trajs)
         learner.replay_routing = False
         free = learner.compute_logprobs(trajs, 1.0)
         learner.replay_routing = True
@@ -38,7 +39,7 @@ def _reference(moe: bool):
     return full, trajs, logprobs, metrics, updated
 
 
-def _attach_other_routing(model, trajs) -> None:
+def _attach_other_routing(model, trajs):
     """Record each trajectory's routing as an engine whose routers differ a little from ``model``'s
     would choose (about 5 % of the choices differ), so that replaying it changes the forward."""
     from parallel_cases import engine_view
@@ -52,8 +53,7 @@ def _attach_other_routing(model, trajs) -> None:
         _, routed = engine_view(model, trajs)
         for n, p in routers.items():
             p.copy_(saved[n])
-    for traj, r in zip(trajs, routed):
-        traj.routed_experts = r
+    return replacing(trajs, routed_experts=routed)
 
 
 def _cpu_state(module):

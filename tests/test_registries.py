@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, assign_group_advantages
-from megatron_rl.algorithms.policy_loss import POLICY_LOSSES, decoupled_ppo_loss, gspo_loss, ppo_clip_loss
+from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, sample_advantages
+from megatron_rl.algorithms.policy_loss import (POLICY_LOSSES, cispo_loss, decoupled_ppo_loss, gspo_loss,
+                                              ppo_clip_loss)
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.config.schema import AlgoConfig
 from megatron_rl.registry import Registry, UnknownName
@@ -23,7 +24,7 @@ from megatron_rl.types import Trajectory
 
 REGISTRIES = {
     "algo.name": (ADVANTAGE_ESTIMATORS, ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")),
-    "algo.policy_loss": (POLICY_LOSSES, ("decoupled", "ppo", "gspo")),
+    "algo.policy_loss": (POLICY_LOSSES, ("decoupled", "ppo", "gspo", "cispo")),
     "reward.name": (REWARDS, ("reverse_digits", "sort_digits", "gsm8k", "math", "code")),
     "rollout.engine": (ENGINES, ("embedded", "vllm")),
     "rollout.workflow": (WORKFLOWS, ("single_turn",)),
@@ -92,8 +93,8 @@ def test_registered_advantage_estimator_is_accepted_and_used():
         cfg = load_config("tiny_cpu", ["algo.name=rank"])
         groups = [[Trajectory("p", i, [1], [2], [0.0], [0], "stop", loss_mask=[1], reward=r)
                    for i, r in enumerate(rs)] for rs in ([0.5, 0.1, 0.9], [0.0, 1.0, 0.2])]
-        assign_group_advantages(groups, cfg.algo)
-        assert [[t.advantage for t in g] for g in groups] == [[1.0, 0.0, 2.0], [0.0, 2.0, 1.0]]
+        rewards = [[t.reward for t in g] for g in groups]
+        assert sample_advantages(groups, rewards, cfg.algo) == [[1.0, 0.0, 2.0], [0.0, 2.0, 1.0]]
     with pytest.raises(ConfigError, match="algo.name='rank' is not allowed"):
         load_config("tiny_cpu", ["algo.name=rank"])
 
@@ -130,6 +131,7 @@ def test_policy_loss_lookup_equals_the_functions(weight_level):
         "decoupled": lambda lp: decoupled_ppo_loss(lp, old, behav, adv, mask, 0.1, 0.3, 1.5, 3.0, weight_level),
         "ppo": lambda lp: ppo_clip_loss(lp, old, adv, mask, 0.1, 0.3, 3.0),
         "gspo": lambda lp: gspo_loss(lp, old, adv, mask, 0.1, 0.3),
+        "cispo": lambda lp: cispo_loss(lp, old, adv, mask, 0.1, 0.3),
     }
     assert tuple(direct) == POLICY_LOSSES.names()
     for name, call in direct.items():

@@ -13,6 +13,8 @@ from megatron_rl.config.schema import RootConfig
 from megatron_rl.config.validate import ConfigError, validate
 from megatron_rl.types import Trajectory
 
+from batches import advantaged
+
 F64 = torch.float64
 # Two responses of four places; the second has three tokens (its last place is padding).
 PROX = [[-1.0, -0.5, -0.2, -0.1], [-0.3, -4.0, -1.0, 0.0]]
@@ -166,9 +168,8 @@ def _stale_batch():
     for i in range(8):
         resp = [5, 6, 7, 8] if i % 2 == 0 else [9, 10, 11, 12]
         behav = [-3.0 + 0.5 * ((i + t) % 5) for t in range(4)]
-        trajs.append(Trajectory("p", i, [1, 2, 3], resp, behav, [3 - (i % 4)] * 4, "length",
-                                advantage=1.0 if i % 2 == 0 else -1.0))
-    return trajs
+        trajs.append(Trajectory("p", i, [1, 2, 3], resp, behav, [3 - (i % 4)] * 4, "length"))
+    return advantaged(trajs, [1.0 if i % 2 == 0 else -1.0 for i in range(8)])
 
 
 def _learner(policy_loss="ppo", **correction):

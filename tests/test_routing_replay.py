@@ -12,6 +12,8 @@ import torch
 
 from megatron_rl.types import GenerationChunk, SamplingParams, Trajectory
 
+from batches import replacing
+
 LAYERS, TOP_K, EXPERTS = 2, 2, 4
 
 
@@ -193,8 +195,7 @@ def test_replay_makes_a_perturbed_learner_use_the_engines_experts(megatron_world
             p.add_(0.02 * torch.randn(p.shape, generator=gen))
     trajs = batch()
     engine_logprobs, routed = engine_view(learner.module, trajs)
-    for traj, lp, r in zip(trajs, engine_logprobs, routed):
-        traj.logprobs, traj.routed_experts = lp, r
+    trajs = replacing(trajs, logprobs=engine_logprobs, routed_experts=routed)
     recorded = sum(len(t.prompt_ids) + len(t.response_ids) - 1 for t in trajs) * LAYERS
     unperturbed_gap = _max_gap(learner.compute_logprobs(trajs, 1.0), engine_logprobs)
     assert learner.routing_stats.pop_metrics()["moe/router_agreement"] == 1.0
@@ -275,8 +276,7 @@ def test_shared_prompt_forward_replays_as_plain_rows(megatron_world):
         _, routed = engine_view(learner.module, trajs)
         for n, p in routers.items():
             p.copy_(saved[n])
-    for traj, r in zip(trajs, routed):
-        traj.routed_experts = r
+    trajs = replacing(trajs, routed_experts=routed)
     plain = learner.compute_logprobs(trajs, 1.0)
     assert learner.routing_stats.pop_metrics()["moe/router_agreement"] < 1.0
     learner.cfg.learner.share_prompts = True

@@ -11,12 +11,14 @@ from megatron_rl.learner.batch import build_shared_micro_batches
 from megatron_rl.learner.learner import Learner
 from megatron_rl.types import Trajectory
 
+from batches import advantaged
+
 VOCAB = 24
 
 
-def _traj(uid, prompt, response, index=0, advantage=0.0):
+def _traj(uid, prompt, response, index=0):
     n = len(response)
-    return Trajectory(uid, index, prompt, response, [-2.0] * n, [0] * n, "stop", advantage=advantage)
+    return Trajectory(uid, index, prompt, response, [-2.0] * n, [0] * n, "stop")
 
 
 def test_shared_layout_by_hand():
@@ -56,14 +58,15 @@ def test_shared_layout_by_hand():
 def _groups():
     """Groups of 1-4 samples, prompts of 2-6 tokens, responses of 1-9 tokens, mixed advantages."""
     gen = torch.Generator().manual_seed(3)
-    trajs = []
+    trajs, advantages = [], []
     for g, (prompt_len, size) in enumerate([(2, 4), (5, 3), (3, 1), (6, 4), (4, 2)]):
         prompt = torch.randint(1, VOCAB, (prompt_len,), generator=gen).tolist()
         for i in range(size):
             n = int(torch.randint(1, 10, (1,), generator=gen))
             response = torch.randint(1, VOCAB, (n,), generator=gen).tolist()
-            trajs.append(_traj(f"p{g}", prompt, response, i, advantage=float((i + g) % 3 - 1)))
-    return trajs
+            trajs.append(_traj(f"p{g}", prompt, response, i))
+            advantages.append(float((i + g) % 3 - 1))
+    return advantaged(trajs, advantages)
 
 
 def _cfg(share: bool, budget: int) -> RootConfig:

@@ -72,8 +72,6 @@ def batch_whitened_advantages(rewards: torch.Tensor, lengths: torch.Tensor, subt
 # fn(rewards [groups, group_size], lengths [groups, group_size], eps, normalize_by_std).
 AdvantageEstimator = Callable[[torch.Tensor, torch.Tensor, float, bool], torch.Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
-# algo.name values whose advantages need a critic's values (learner/critic.py), not group rewards.
-CRITIC_ESTIMATORS = ("gae",)
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
@@ -117,20 +115,25 @@ def runs_of(group: Sequence["Trajectory"]) -> List[List["Trajectory"]]:
     return list(runs.values())
 
 
-def assign_group_advantages(groups: Sequence[Sequence["Trajectory"]], algo: "AlgoConfig") -> None:
-    """Set each trajectory's sequence advantage from its group's rewards with ``algo.name``'s
-    estimator (``algo`` is the AlgoConfig). PPO with a critic (gae) is per token and needs the
-    critic's values: learner/critic.py assigns those. The estimator sees one reward per sample
-    (an agent run's trajectories share it and its length is their trained tokens together); each
-    trajectory gets its sample's advantage times its ``advantage_scale``."""
+def sample_advantages(groups: Sequence[Sequence["Trajectory"]], rewards: Sequence[Sequence[float]],
+                      algo: "AlgoConfig") -> List[List[float]]:
+    """Each trajectory's sequence advantage (``[groups][trajectories]``, like ``groups``) from its
+    group's ``rewards`` (one per trajectory, the ones the step trains on) with ``algo.name``'s
+    estimator (``algo`` is the AlgoConfig). The estimator sees one reward per sample (an agent
+    run's trajectories share it and its length is their trained tokens together); each trajectory
+    gets its sample's advantage times its ``advantage_scale``. PPO with a critic (gae) is per
+    token and needs the critic's values: learner/critic.py computes those."""
     if algo.name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algo.name={algo.name!r} needs a critic's values; only the single-process trainer "
-                         f"builds a critic so far; group estimators: {ADVANTAGE_ESTIMATORS.names()}")
+        raise ValueError(f"algo.name={algo.name!r} is not a group estimator (those: {ADVANTAGE_ESTIMATORS.names()}); "
+                         "its advantages come from a critic")
+    reward_of = {id(t): r for grp, row in zip(groups, rewards) for t, r in zip(grp, row)}
     runs = [runs_of(grp) for grp in groups]
-    rewards = torch.tensor([[run[0].reward for run in grp] for grp in runs], dtype=torch.float64)
+    run_rewards = torch.tensor([[reward_of[id(run[0])] for run in grp] for grp in runs], dtype=torch.float64)
     lengths = torch.tensor([[sum(sum(t.loss_mask) for t in run) for run in grp] for grp in runs], dtype=torch.float64)
-    adv = compute_advantages(algo.name, rewards, lengths, algo.adv_eps, algo.normalize_adv_by_std)
+    adv = compute_advantages(algo.name, run_rewards, lengths, algo.adv_eps, algo.normalize_adv_by_std)
+    out = {}
     for grp, row in zip(runs, adv.tolist()):
         for run, value in zip(grp, row):
             for traj in run:
-                traj.advantage = value * traj.advantage_scale
+                out[id(traj)] = value * traj.advantage_scale
+    return [[out[id(t)] for t in grp] for grp in groups]

@@ -135,8 +135,8 @@ def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
 
 
 # algo.policy_loss -> its per-token loss, called as
-# fn(logprobs, old_logprobs, behav_logprobs, advantages, mask, algo) -> (per-token loss, stats):
-# one signature, so the learner calls whichever is configured the same way. ``old_logprobs`` are
+# fn(logprobs, proximal_logprobs, behav_logprobs, advantages, mask, algo) -> (per-token loss, stats):
+# one signature, so the learner calls whichever is configured the same way. ``proximal_logprobs`` are
 # the proximal policy's (the learner's weights before this update), ``behav_logprobs`` the
 # engine's that sampled the tokens; ``algo`` is the AlgoConfig, for the loss's own settings.
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "AlgoConfig"],
@@ -145,32 +145,32 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
 
 @POLICY_LOSSES.register("decoupled")
-def _decoupled(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+def _decoupled(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return decoupled_ppo_loss(logprobs, old_logprobs, behav_logprobs, advantages, mask, algo.clip_low,
+    return decoupled_ppo_loss(logprobs, proximal_logprobs, behav_logprobs, advantages, mask, algo.clip_low,
                               algo.clip_high, algo.behav_imp_weight_cap, algo.dual_clip, algo.behav_weight_level)
 
 
 @POLICY_LOSSES.register("ppo")
-def _ppo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+def _ppo(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
          advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
          ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return ppo_clip_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip)
+    return ppo_clip_loss(logprobs, proximal_logprobs, advantages, mask, algo.clip_low, algo.clip_high, algo.dual_clip)
 
 
 @POLICY_LOSSES.register("gspo")
-def _gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+def _gspo(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
           advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
           ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return gspo_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
+    return gspo_loss(logprobs, proximal_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
 
 
 @POLICY_LOSSES.register("cispo")
-def _cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+def _cispo(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
            advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
            ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return cispo_loss(logprobs, old_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
+    return cispo_loss(logprobs, proximal_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
 
 
 # algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).

@@ -8,9 +8,10 @@ import math
 from typing import Any, Callable, Dict, Iterable, Tuple, Union
 
 from ..errors import UserError
-from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, CRITIC_ESTIMATORS
+from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
 from ..algorithms.rollout_correction import IS_LEVELS, REJECT_LEVELS
+from ..learner.recipes import LEARNER_RECIPES
 from ..models.families import FAMILY_NAMES, get_family
 from ..models.shared_prefix import unsupported
 from ..rewards.verifiers import REWARDS
@@ -34,7 +35,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "rollout.engine": ENGINES.names,
     "rollout.workflow": workflow_names,
     "rollout.placement": ("colocated",),
-    "algo.name": lambda: ADVANTAGE_ESTIMATORS.names() + CRITIC_ESTIMATORS,
+    "algo.name": lambda: ADVANTAGE_ESTIMATORS.names() + LEARNER_RECIPES.names(),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": POLICY_LOSSES.names,
     "algo.behav_weight_level": ("token", "sequence"),

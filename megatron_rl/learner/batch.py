@@ -31,6 +31,7 @@ import torch
 
 from ..models.shared_prefix import SegmentLayout, build_segment_layout, take_rows
 from ..types import Trajectory
+from .train_batch import token_values
 
 # What one more micro-batch costs, in padded tokens (its fixed Python and kernel-launch work),
 # when learner.micro_batch_overhead_tokens is not set. Measured: tiny_cpu's model on one CPU
@@ -39,7 +40,7 @@ from ..types import Trajectory
 MICRO_BATCH_OVERHEAD_TOKENS = {"cpu": 256, "cuda": 4096}
 
 # Per-response-token fields copied from each trajectory, aligned with the label positions.
-_TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "old_logprobs", "ref_logprobs", "old_values",
+_TOKEN_FIELDS = ("loss_mask", "advantages", "behav_logprobs", "proximal_logprobs", "ref_logprobs", "values",
                  "returns", "versions")
 
 
@@ -50,9 +51,9 @@ class MicroBatch:
     loss_mask: torch.Tensor       # [b, s] 1.0 where labels[b, t] is a trained response token
     advantages: torch.Tensor      # [b, s] per-token advantage (0 outside the mask)
     behav_logprobs: torch.Tensor  # [b, s] logprobs from the rollout engine that sampled the token
-    old_logprobs: torch.Tensor    # [b, s] proximal logprobs (learner, before the update)
+    proximal_logprobs: torch.Tensor  # [b, s] the learner's logprobs before the update (behav's until computed)
     ref_logprobs: torch.Tensor    # [b, s] reference-model logprobs (zeros when no reference)
-    old_values: torch.Tensor      # [b, s] critic values before its update (zeros without a critic)
+    values: torch.Tensor          # [b, s] critic values before its update (zeros without a critic)
     returns: torch.Tensor         # [b, s] the critic's regression targets (zeros without a critic)
     versions: torch.Tensor        # [b, s] the policy version that sampled each response token
     rows: List[int]               # index of each row in the trajectory list (-1 for filler)
@@ -106,8 +107,8 @@ def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: 
         order = sorted(range(len(trajs)), key=lambda i: lengths[i])
         groups = split_by_length([lengths[i] for i in order], token_budget, overhead_tokens)
         if len(groups) > 1:  # else the batch stays one micro-batch, in its order (below)
-            return [_collate([trajs[order[k]] for k in grp], [order[k] for k in grp], len(grp),
-                             lengths[order[grp[-1]]], pad_id) for grp in groups]
+            return [_collate(trajs, [order[k] for k in grp], len(grp), lengths[order[grp[-1]]], pad_id)
+                    for grp in groups]
     # As few micro-batches as the budget allows, their rows spread evenly: a batch that fits in one
     # is trained at its own size, and the last of several carries fewer than one filler row per
     # micro-batch (pipeline schedules need one shape), not a budget's worth.
@@ -117,7 +118,7 @@ def build_micro_batches(trajs: Sequence[Trajectory], token_budget: int, pad_id: 
     batches = []
     for start in range(0, len(trajs), rows):
         idx = list(range(start, min(start + rows, len(trajs))))
-        batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
+        batches.append(_collate(trajs, idx, rows, seq_len, pad_id))
     return batches
 
 
@@ -188,7 +189,8 @@ def build_shared_micro_batches(trajs: Sequence[Trajectory], token_budget: int, p
     for run in split_by_length([row_len[k] for k in order], token_budget, overhead_tokens):
         members = [groups[order[k]] for k in run]
         idx = [i for g in members for i in g]
-        mb = _collate([rows[i] for i in idx], idx, len(idx), 1 + max(len(trajs[i].response_ids) for i in idx), pad_id)
+        mb = _collate(trajs, idx, len(idx), 1 + max(len(trajs[i].response_ids) for i in idx), pad_id,
+                      [rows[i] for i in idx])
         mb.shared = _shared_forward(trajs, members, row_len[order[run[-1]]], mb.seq_len, pad_id)
         mb.routing = _shared_routing(trajs, members, row_len[order[run[-1]]])
         batches.append(mb)
@@ -272,22 +274,12 @@ def routing_tensor(pieces: Sequence[Tuple[int, int, np.ndarray]], rows: int, seq
     return torch.from_numpy(np.ascontiguousarray(out.reshape(seq_len * rows, layers, top_k).transpose(1, 0, 2)))
 
 
-def _token_values(traj: Trajectory) -> Dict[str, List[float]]:
-    n = len(traj.response_ids)
-    zeros = [0.0] * n
-    return {
-        "loss_mask": [float(m) for m in traj.loss_mask],
-        "advantages": traj.token_advantages if traj.token_advantages is not None else [traj.advantage] * n,
-        "behav_logprobs": traj.logprobs,
-        "old_logprobs": traj.proximal_logprobs if traj.proximal_logprobs is not None else traj.logprobs,
-        "ref_logprobs": traj.ref_logprobs if traj.ref_logprobs is not None else zeros,
-        "old_values": traj.values if traj.values is not None else zeros,
-        "returns": traj.returns if traj.returns is not None else zeros,
-        "versions": traj.versions,
-    }
-
-
-def _collate(trajs: Sequence[Trajectory], idx: List[int], rows: int, seq_len: int, pad_id: int) -> MicroBatch:
+def _collate(samples: Sequence[Trajectory], idx: List[int], rows: int, seq_len: int, pad_id: int,
+             row_trajs: Optional[Sequence[Trajectory]] = None) -> MicroBatch:
+    """One micro-batch of samples ``idx`` of ``samples`` (a TrainBatch, or plain trajectories for a
+    forward-only pass), ``rows`` rows of ``seq_len``; ``row_trajs``: what each row runs, when not
+    the samples themselves (a shared prompt's rows hold its last token only)."""
+    trajs = row_trajs if row_trajs is not None else [samples[i] for i in idx]
     # One tensor per field, written through flat indices: a torch.tensor call per row and field
     # cost ~13 ms per 256-sample step on a CPU, on the learner's critical path.
     shape = (rows, seq_len)
@@ -308,7 +300,7 @@ def _collate(trajs: Sequence[Trajectory], idx: List[int], rows: int, seq_len: in
         targets.extend(full[1:])
         # Logits at position p-1+i predict response token i.
         response_at.extend(range(row + p - 1, row + n - 1))
-        for name, vals in _token_values(traj).items():
+        for name, vals in token_values(samples, idx[r]).items():
             if len(vals) != n - p:  # flat positions would silently shift every later row
                 raise ValueError(f"trajectory {traj.prompt_uid}/{traj.sample_index}: {name} has {len(vals)} "
                                  f"values for {n - p} response tokens")

@@ -15,12 +15,13 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..algorithms.gae import clipped_value_loss, explained_variance, gae_advantages, masked_whiten
+from ..algorithms.gae import clipped_value_loss, explained_variance
 from ..config.schema import RootConfig
 from ..models.gpt import model_device
 from ..models.value_model import build_value_model
 from ..types import Trajectory
 from .batch import MicroBatch
+from .train_batch import TrainBatch, padded
 from .learner import forward_micro_batch
 from .parallel import init_model_parallel
 from .megatron_step import (finite_mean, local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs,
@@ -54,24 +55,21 @@ class Critic:
     def compute_values(self, trajs: Sequence[Trajectory]) -> List[List[float]]:
         return per_token_outputs(self.model, trajs, self.cfg.learner, self.pad_id, self._forward_step)
 
-    def fill_values(self, trajs: Sequence[Trajectory]) -> None:
-        for traj, values in zip(trajs, self.compute_values(trajs)):
-            traj.values = values
-
     def _forward_step(self, data_iterator, model):
         mb: MicroBatch = next(data_iterator).to(self.device)
         out = forward_micro_batch(model, mb)
         return out, lambda output, non_loss_data=True: output[..., 0].float() * mb.loss_mask
 
     # ---------------------------------------------------------------- training
-    def train_step(self, trajs: Sequence[Trajectory], lr_scale: float = 1.0) -> Dict[str, float]:
-        """Regress the values on the trajectories' GAE returns (PPO epochs × mini-batches, like
-        the policy); ``lr_scale`` is the learner's schedule factor at this step."""
+    def train_step(self, batch: TrainBatch, lr_scale: float = 1.0) -> Dict[str, float]:
+        """Regress the batch's values on its GAE returns (PPO epochs × mini-batches, like the
+        policy); ``lr_scale`` is the learner's schedule factor at this step."""
         set_lr(self.optimizer, self.peak_lr * lr_scale)
-        totals, grad_norms = minibatch_steps(trajs, self.cfg.learner, self._optimizer_step)
+        totals, grad_norms = minibatch_steps(batch, self.cfg.learner, self._optimizer_step)
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         skipped = totals.pop("skipped_steps", 0.0)
-        values, returns, mask = _padded(trajs, "values"), _padded(trajs, "returns"), _padded(trajs, "loss_mask")
+        values, returns = padded(batch, batch.get("values")), padded(batch, batch.get("returns"))
+        mask = padded(batch, [t.loss_mask for t in batch])
         return {
             "critic/value_loss": totals["value_loss_sum"] / tokens,
             "critic/value_clip_fraction": totals["value_clipped_tokens"] / tokens,
@@ -86,9 +84,9 @@ class Critic:
             "critic/lr": self.peak_lr * lr_scale,
         }
 
-    def _optimizer_step(self, trajs: Sequence[Trajectory]) -> Tuple[Dict[str, float], float]:
+    def _optimizer_step(self, batch: TrainBatch) -> Tuple[Dict[str, float], float]:
         stats, grad_norm = optimizer_step(self.model, self.optimizer,
-                                          local_micro_batches(trajs, self.cfg.learner, self.pad_id),
+                                          local_micro_batches(batch, self.cfg.learner, self.pad_id),
                                           self._loss_step, what="critic")
         self.optimizer_steps += 1
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats["skipped_steps"] else 0
@@ -100,39 +98,7 @@ class Critic:
 
     def _value_loss(self, output: torch.Tensor, mb: MicroBatch):
         values = output[..., 0].float()
-        loss, stats = clipped_value_loss(values, mb.old_values, mb.returns, mb.loss_mask, self.cfg.critic.value_clip)
+        loss, stats = clipped_value_loss(values, mb.values, mb.returns, mb.loss_mask, self.cfg.critic.value_clip)
         tokens = mb.loss_mask.sum()
         stats.update(value_loss_sum=loss.sum().detach(), tokens=tokens)
         return loss.sum(), tokens.round().to(torch.int), stats
-
-
-def _padded(trajs: Sequence[Trajectory], field: str, last_only: bool = False) -> torch.Tensor:
-    """[len(trajs), longest response] float64 rows of a per-response-token field, right padded
-    with zeros; with ``last_only`` a field that is one number per trajectory sits at its last token."""
-    width = max((len(t.response_ids) for t in trajs), default=0)
-    out = torch.zeros(len(trajs), width, dtype=torch.float64)
-    for i, t in enumerate(trajs):
-        n = len(t.response_ids)
-        if last_only:
-            if n:
-                out[i, n - 1] = getattr(t, field)
-        else:
-            out[i, :n] = torch.tensor(getattr(t, field), dtype=torch.float64)
-    return out
-
-
-def assign_gae_advantages(trajs: Sequence[Trajectory], gamma: float, lam: float, whiten: bool = True) -> None:
-    """Per-token GAE advantages and critic returns from each trajectory's values (filled by the
-    critic) and its outcome reward, which arrives at the last response token. Advantages are
-    whitened over the batch's trained tokens (PPO's usual normalisation) when ``whiten``."""
-    valid = torch.zeros(len(trajs), max((len(t.response_ids) for t in trajs), default=0), dtype=torch.float64)
-    for i, t in enumerate(trajs):
-        valid[i, : len(t.response_ids)] = 1.0
-    advantages, returns = gae_advantages(_padded(trajs, "reward", last_only=True), _padded(trajs, "values"),
-                                         valid, gamma, lam)
-    if whiten:
-        advantages = masked_whiten(advantages, _padded(trajs, "loss_mask"))
-    for i, t in enumerate(trajs):
-        n = len(t.response_ids)
-        t.token_advantages = advantages[i, :n].tolist()
-        t.returns = returns[i, :n].tolist()

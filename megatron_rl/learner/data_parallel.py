@@ -36,15 +36,15 @@ def dp_bounds(n: int, dp: int, rank: int) -> Tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
-def local_share(items: Sequence[T]) -> List[T]:
-    """This data-parallel replica's slice of the batch."""
+def local_share(items: Sequence[T]) -> Sequence[T]:
+    """This data-parallel replica's slice of the batch (a TrainBatch slices into one)."""
     dp, rank = dp_size_rank()
     if len(items) < dp:
         # Every replica must run the step's collectives (gradient all-reduce, optimizer).
         raise ValueError(f"a batch of {len(items)} sequences cannot be split over {dp} data-parallel "
                          f"replicas: give each at least one (more groups per batch or fewer replicas)")
     start, end = dp_bounds(len(items), dp, rank)
-    return list(items[start:end])
+    return items[start:end]
 
 
 def from_last_stage(obj: T) -> T:
@@ -114,5 +114,5 @@ def uniform_micro_batches(trajs: Sequence, token_budget: int, pad_id: int) -> Li
     batches = []
     for start in range(0, max(most, 1), rows):
         idx = list(range(start, min(start + rows, len(trajs))))
-        batches.append(_collate([trajs[i] for i in idx], idx, rows, seq_len, pad_id))
+        batches.append(_collate(trajs, idx, rows, seq_len, pad_id))
     return batches

@@ -28,6 +28,7 @@ from ..models.routing import RoutingReplay, foreign_moe_layers
 from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch
+from .train_batch import TrainBatch
 from .logprobs import token_logprobs, token_logprobs_and_entropy
 from .megatron_step import (finite_mean, local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs,
                             set_lr, weights_finite, wrap_for_training)
@@ -157,15 +158,6 @@ class Learner:
         if self._replay is not None:
             self._replay.set(mb.routing)
 
-    def fill_logprobs(self, trajs: Sequence[Trajectory], temperature: float, reference: bool = False) -> None:
-        """Set each trajectory's proximal (or reference) logprobs unless a caller already did
-        (e.g. the trainer, to put the KL into the reward before advantages)."""
-        field = "ref_logprobs" if reference else "proximal_logprobs"
-        todo = [t for t in trajs if getattr(t, field) is None]
-        if todo:
-            for traj, lp in zip(todo, self.compute_logprobs(todo, temperature, reference=reference)):
-                setattr(traj, field, lp)
-
     def _forward_step(self, data_iterator, model, temperature: float):
         mb: MicroBatch = next(data_iterator).to(self.device)
         self._route_as_recorded(mb)
@@ -177,10 +169,10 @@ class Learner:
         return logits, collect
 
     # ---------------------------------------------------------------- training
-    def train_step(self, trajs: Sequence[Trajectory], temperature: float, lr: float,
+    def train_step(self, batch: TrainBatch, temperature: float, lr: float,
                    version: Optional[int] = None) -> Dict[str, float]:
-        """PPO epochs × mini-batches of optimizer steps over one batch of scored trajectories.
-        Trajectories must carry advantages; proximal (and reference) logprobs are filled here.
+        """PPO epochs × mini-batches of optimizer steps over one batch, which must carry
+        advantages; the proximal (and reference) logprobs it lacks are computed here.
         ``version``: the policy version of the weights being trained (needed by
         correction.max_version_gap)."""
         cfg = self.cfg
@@ -192,12 +184,12 @@ class Learner:
         # separate forward pass over the batch is skipped.
         self._proximal_in_forward = (cfg.learner.mini_batches == 1 and cfg.learner.ppo_epochs == 1
                                      and not self.force_proximal_forward)
-        if not self._proximal_in_forward:
-            self.fill_logprobs(trajs, temperature)
-        if self.ref_model is not None:
-            self.fill_logprobs(trajs, temperature, reference=True)
+        if not self._proximal_in_forward and not batch.has("proximal_logprobs"):
+            batch = batch.with_fields(proximal_logprobs=self.compute_logprobs(batch, temperature))
+        if self.ref_model is not None and not batch.has("ref_logprobs"):
+            batch = batch.with_fields(ref_logprobs=self.compute_logprobs(batch, temperature, reference=True))
         set_lr(self.optimizer, lr)
-        totals, grad_norms = minibatch_steps(trajs, cfg.learner, partial(self._optimizer_step, temperature=temperature))
+        totals, grad_norms = minibatch_steps(batch, cfg.learner, partial(self._optimizer_step, temperature=temperature))
         tokens = max(totals.pop("tokens", 0.0), 1.0)
         skipped = totals.pop("skipped_steps", 0.0)
         metrics = {f"train/{k.removesuffix('_sum')}": v / tokens for k, v in totals.items()}
@@ -221,11 +213,11 @@ class Learner:
             metrics.update(self.routing_stats.pop_metrics())
         return metrics
 
-    def _optimizer_step(self, trajs: Sequence[Trajectory], temperature: float) -> Tuple[Dict[str, float], float]:
+    def _optimizer_step(self, batch: TrainBatch, temperature: float) -> Tuple[Dict[str, float], float]:
         # Without a separate proximal pass this forward is the proximal one (the weights before the update).
         with self._routing(self.model, count=self._proximal_in_forward):
             stats, grad_norm = optimizer_step(self.model, self.optimizer,
-                                              local_micro_batches(trajs, self.cfg.learner, self.pad_id),
+                                              local_micro_batches(batch, self.cfg.learner, self.pad_id),
                                               partial(self._loss_step, temperature=temperature))
         self.optimizer_steps += 1
         self.skipped_in_a_row = self.skipped_in_a_row + 1 if stats["skipped_steps"] else 0
@@ -241,14 +233,16 @@ class Learner:
         algo = self.cfg.algo
         mask = mb.loss_mask
         logprobs, entropy = token_logprobs_and_entropy(logits, mb.labels, temperature)
-        old = logprobs.detach() * mask if self._proximal_in_forward else mb.old_logprobs
+        proximal = logprobs.detach() * mask if self._proximal_in_forward else mb.proximal_logprobs
         # Rollout correction: ``train`` is the mask without the tokens it leaves out and ``weight``
         # each token's importance weight (off: the mask itself, no weight).
         train, weight, correction_stats = mask, None, {}
         if self.correction.active:
             lag = (self._version - mb.versions) if self._version is not None else None
-            weight, train, correction_stats = rollout_correction(old, mb.behav_logprobs, mask, self.correction, lag)
-        loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logprobs, old, mb.behav_logprobs, mb.advantages, train, algo)
+            weight, train, correction_stats = rollout_correction(proximal, mb.behav_logprobs, mask, self.correction,
+                                                                 lag)
+        loss, stats = POLICY_LOSSES.get(algo.policy_loss)(logprobs, proximal, mb.behav_logprobs, mb.advantages, train,
+                                                          algo)
         if weight is not None and self.correction.is_level != "none":
             loss = loss * weight
         stats.update(correction_stats)
@@ -267,7 +261,7 @@ class Learner:
             loss_sum=total.detach(),
             entropy_sum=(entropy.detach() * mask).sum(),
             # |learner - engine| logprob gap on the sampled tokens: should be ~0 on-policy.
-            behav_logprob_gap_sum=((old - mb.behav_logprobs).abs() * mask).sum(),
+            behav_logprob_gap_sum=((proximal - mb.behav_logprobs).abs() * mask).sum(),
             tokens=num_tokens.detach(),
         )
         return objective, denominator.round().to(torch.int), stats

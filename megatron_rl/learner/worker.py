@@ -15,18 +15,17 @@ import logging
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..algorithms.advantages import assign_group_advantages
-from ..algorithms.kl import kl_shaped_reward
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.resume import load_newest_good
 from ..config.schema import RootConfig
 from ..types import Trajectory
-from .critic import Critic, assign_gae_advantages
+from .critic import Critic
 from .learner import Learner
+from .recipes import recipe_for
+from .train_batch import TrainBatch
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +41,9 @@ class LearnerWorker:
                  local_engine: Optional[Tuple[Any, asyncio.AbstractEventLoop]] = None):
         self.cfg = cfg
         self.learner = Learner(cfg, vocab_size, pad_id=pad_id)
+        self.recipe = recipe_for(cfg.algo.name)
         # PPO with GAE: a value model with the policy's layout, starting from its weights.
-        self.critic = (Critic(cfg, vocab_size, pad_id, self.learner.module) if cfg.algo.name == "gae" else None)
+        self.critic = Critic(cfg, vocab_size, pad_id, self.learner.module) if self.recipe.critic else None
         self.sync_groups = sync_groups
         self.local_engine = local_engine
         self.timeline = None  # the other learner ranks' spans (the driver records its own)
@@ -65,36 +65,16 @@ class LearnerWorker:
 
     # ---------------------------------------------------------------- a step
     def train(self, groups: List[List[Trajectory]], version: int, lr: float) -> Dict[str, float]:
-        """KL charge (``algo.kl_in_reward``), advantages, one learner update (and the critic's)."""
-        cfg = self.cfg
-        flat = [t for grp in groups for t in grp]
-        metrics: Dict[str, float] = {}
+        """One update of policy ``version`` on these scored groups: the algorithm's recipe fills
+        the batch (rewards trained on, advantages, ...), the learner updates, then what the
+        recipe runs after (the critic's update)."""
+        batch = TrainBatch.of_groups(groups)  # the trajectories are frozen from here on
         self._sleep_local_engine()
-        if cfg.algo.kl_in_reward:
-            metrics["reward/kl_penalty_mean"] = self._charge_kl_to_rewards(flat)
-        if self.critic is not None:
-            self.critic.fill_values(flat)
-            assign_gae_advantages(flat, cfg.algo.gamma, cfg.algo.lam, cfg.algo.gae_whiten)
-        else:
-            assign_group_advantages(groups, cfg.algo)
+        batch, metrics = self.recipe.prepare(self, batch)
         with self._span("train", step=version + 1):
-            metrics.update(self.learner.train_step(flat, cfg.rollout.temperature, lr, version))
-            if self.critic is not None:
-                metrics.update(self.critic.train_step(flat, lr / cfg.learner.lr))
+            metrics.update(self.learner.train_step(batch, self.cfg.rollout.temperature, lr, version))
+            metrics.update(self.recipe.after_update(self, batch, lr))
         return metrics
-
-    def _charge_kl_to_rewards(self, flat: Sequence[Trajectory]) -> float:
-        """reward -= kl_coef · Σ_t KL(policy ‖ reference) per sequence; returns the mean charge."""
-        a, temperature = self.cfg.algo, self.cfg.rollout.temperature
-        self.learner.fill_logprobs(flat, temperature)
-        self.learner.fill_logprobs(flat, temperature, reference=True)
-        charges = []
-        for traj in flat:
-            shaped = kl_shaped_reward(traj.reward, torch.tensor(traj.proximal_logprobs),
-                                      torch.tensor(traj.ref_logprobs), a.kl_coef, a.kl_estimator)
-            charges.append(traj.reward - shaped)
-            traj.reward = shaped
-        return float(np.mean(charges)) if charges else 0.0
 
     # ---------------------------------------------------------------- weights out
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:

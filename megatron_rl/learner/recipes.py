@@ -1,0 +1,122 @@
+"""Learner recipes: what one algorithm does with a step's batch on the learner ranks, chosen by
+``algo.name`` from ``LEARNER_RECIPES``.
+
+A recipe declares the extra model it trains (``critic``; the frozen reference model comes with
+``algo.kl_coef`` > 0 for every recipe), fills the batch's fields before the update (the rewards
+it trains on, values, advantages: learner/train_batch.py, each written once), and runs what
+follows the policy update (the critic's own). The policy update itself is the learner's, with
+``algo.policy_loss`` and the rollout corrections. Adding an algorithm is one recipe registered
+here (or from a plugin) and its test.
+
+Shared by every recipe: the rewards the step trains on are the verifier's, or with
+``algo.kl_in_reward`` the verifier's minus kl_coef · Σ_t KL(policy ‖ reference) per sequence
+(the proximal and reference logprobs that takes go into the batch, so the update does not
+compute them again).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, sample_advantages
+from ..algorithms.kl import kl_shaped_reward
+from ..registry import Registry
+from ..algorithms.gae import gae_advantages, masked_whiten
+from .train_batch import TrainBatch, padded
+
+if TYPE_CHECKING:
+    from .worker import LearnerWorker
+
+Metrics = Dict[str, float]
+
+
+class LearnerRecipe:
+    """Group-relative advantages (``algo.name`` one of the advantage estimators)."""
+
+    # Whether the recipe trains a value model next to the policy (learner/critic.py).
+    critic = False
+
+    def prepare(self, worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
+        """The batch with every field the update needs, and metrics of this preparation."""
+        batch, metrics = trained_rewards(worker, batch)
+        return with_group_advantages(worker, batch), metrics
+
+    def after_update(self, worker: "LearnerWorker", batch: TrainBatch, lr: float) -> Metrics:
+        """What runs after the policy's update (nothing here)."""
+        return {}
+
+
+class CriticRecipe(LearnerRecipe):
+    """PPO with a critic: per-token GAE advantages from a Megatron value model with the policy's
+    layout (its values before its update), which then regresses on the GAE returns."""
+
+    critic = True
+
+    def prepare(self, worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
+        batch, metrics = trained_rewards(worker, batch)
+        batch = batch.with_fields(values=worker.critic.compute_values(batch))
+        a = worker.cfg.algo
+        advantages, returns = gae_advantages_and_returns(batch, a.gamma, a.lam, a.gae_whiten)
+        return batch.with_fields(advantages=advantages, returns=returns), metrics
+
+    def after_update(self, worker: "LearnerWorker", batch: TrainBatch, lr: float) -> Metrics:
+        return worker.critic.train_step(batch, lr / worker.cfg.learner.lr)
+
+
+LEARNER_RECIPES: Registry[LearnerRecipe] = Registry("learner recipe")
+LEARNER_RECIPES.register("gae")(CriticRecipe())
+
+
+def recipe_for(algo_name: str) -> LearnerRecipe:
+    """The recipe of ``algo.name``: its own, or the group-advantage one for an estimator."""
+    if algo_name in LEARNER_RECIPES:
+        return LEARNER_RECIPES.get(algo_name)
+    if algo_name in ADVANTAGE_ESTIMATORS:
+        return LearnerRecipe()
+    raise ValueError(f"algo.name={algo_name!r}: no learner recipe or advantage estimator of that name "
+                     f"(recipes: {LEARNER_RECIPES.names()}, estimators: {ADVANTAGE_ESTIMATORS.names()})")
+
+
+def trained_rewards(worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
+    """The batch with ``rewards``: the verifier's, or KL-charged with ``algo.kl_in_reward``."""
+    a = worker.cfg.algo
+    verifier = [t.reward for t in batch]
+    if not a.kl_in_reward:
+        return batch.with_fields(rewards=verifier), {}
+    temperature = worker.cfg.rollout.temperature
+    learner = worker.learner
+    batch = batch.with_fields(proximal_logprobs=learner.compute_logprobs(batch, temperature),
+                              ref_logprobs=learner.compute_logprobs(batch, temperature, reference=True))
+    shaped = [kl_shaped_reward(r, torch.tensor(p), torch.tensor(ref), a.kl_coef, a.kl_estimator)
+              for r, p, ref in zip(verifier, batch.get("proximal_logprobs"), batch.get("ref_logprobs"))]
+    charge = float(np.mean([r - s for r, s in zip(verifier, shaped)])) if shaped else 0.0
+    return batch.with_fields(rewards=shaped), {"reward/kl_penalty_mean": charge}
+
+
+def with_group_advantages(worker: "LearnerWorker", batch: TrainBatch) -> TrainBatch:
+    """The batch with per-token ``advantages``: each sample's group-relative advantage on
+    every one of its response tokens."""
+    rewards = batch.get("rewards")
+    groups = [[batch[i] for i in grp] for grp in batch.groups]
+    per_sample = sample_advantages(groups, [[rewards[i] for i in grp] for grp in batch.groups], worker.cfg.algo)
+    advantage = {i: value for grp, row in zip(batch.groups, per_sample) for i, value in zip(grp, row)}
+    return batch.with_fields(advantages=[[advantage[i]] * len(t.response_ids) for i, t in enumerate(batch)])
+
+
+def gae_advantages_and_returns(batch: TrainBatch, gamma: float, lam: float, whiten: bool = True,
+                               ) -> Tuple[List[List[float]], List[List[float]]]:
+    """Per-token GAE advantages and critic returns of each trajectory, from the batch's values
+    (the critic's, before its update) and rewards; the outcome reward arrives at the last
+    response token. Advantages are whitened over the batch's trained tokens (PPO's usual
+    normalisation) when ``whiten``."""
+    lengths = [len(t.response_ids) for t in batch]
+    valid = padded(batch, [[1.0] * n for n in lengths])
+    at_last = padded(batch, [[0.0] * (n - 1) + [r] if n else [] for n, r in zip(lengths, batch.get("rewards"))])
+    advantages, returns = gae_advantages(at_last, padded(batch, batch.get("values")), valid, gamma, lam)
+    if whiten:
+        advantages = masked_whiten(advantages, padded(batch, [t.loss_mask for t in batch]))
+    return ([advantages[i, :n].tolist() for i, n in enumerate(lengths)],
+            [returns[i, :n].tolist() for i, n in enumerate(lengths)])
