@@ -26,7 +26,7 @@ def hf_dir(tmp_path_factory):
     tokenizer_dir = tmp_path_factory.mktemp("tokenizer")
     vocab = write_tokenizer(tokenizer_dir).vocab_size
     path = tmp_path_factory.mktemp("hf_with_tokenizer")
-    save_random_hf_model("qwen2", path, vocab_size=vocab, max_position_embeddings=512)
+    save_random_hf_model("qwen2", path, vocab_size=vocab, max_position_embeddings=2048)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(tokenizer_dir / name, path / name)
     return path
@@ -170,3 +170,31 @@ def test_validation_every_n_steps_is_logged_at_those_steps_and_after_a_resume(me
     assert [e.step for e in events.Scalars("eval/pass@1")] == [2, 4]
     spans = [json.loads(line) for line in (tmp_path / "timeline.jsonl").read_text().splitlines()]
     assert sorted(s["step"] for s in spans if s["name"] == "eval") == [2, 4]
+
+
+def test_validation_of_a_jsonl_dataset_needs_a_held_out_file():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny_cpu", ["data.name=gsm8k", f"data.path={GSM8K}", "trainer.eval_interval=5"])
+    assert str(err.value).startswith("eval.datasets=[data] scores a held-out set of the run's dataset: set "
+                                     "data.eval_path=<jsonl>")
+    cfg = load_config("tiny_cpu", ["data.name=gsm8k", f"data.path={GSM8K}", "trainer.eval_interval=5",
+                                   f"data.eval_path={GSM8K_TEST}"])
+    assert cfg.trainer.eval_interval == 5
+
+
+def test_the_math500_training_example_of_the_rewards_page_builds_its_prompts(hf_dir):
+    """docs/rewards.md's command, as written, with a checkpoint directory of its own."""
+    import re
+    import shlex
+
+    from megatron_rl.data.build import build_data
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
+    command = re.search(r"^python -m megatron_rl\.main (recipe=gsm8k_qwen2_gpu .*?)\n```", page, re.M | re.S).group(1)
+    args = [a.replace("/ckpt/my-model", str(hf_dir)).replace("../shared/data", str(GSM8K.parent.parent))
+            for a in shlex.split(command.replace("\\\n", " "))]
+    recipe, overrides = args[0].split("=", 1)[1], args[1:]
+    cfg = load_config(recipe, overrides)
+    tokenizer, prompts = build_data(cfg)
+    assert cfg.data.tokenizer == "model" and len(prompts.prompts) > 400  # most of MATH-500 fits its budget
+    assert prompts.prompts[0].text.startswith("<|im_start|>user\n")
