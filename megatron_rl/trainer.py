@@ -252,6 +252,17 @@ class Trainer:
         self.start_step = 1
         self._engine_sampling_state: Optional[bytes] = None
         self.rewards = self.build_rewards()  # its worker processes start now, in the background
+        # trainer.eval_interval: the eval sets, tokenized once; scored with this engine between steps.
+        self.evaluator = None
+        if cfg.trainer.eval_interval:
+            from .eval import EvalSuite
+
+            try:
+                self.evaluator = EvalSuite(cfg, self.tokenizer)
+            except BaseException:
+                self.rewards.close()
+                raise
+        self._eval_s = 0.0
         if cfg.trainer.resume:
             try:
                 self.resume()  # last: the random states it restores must not be consumed by set-up
@@ -469,6 +480,8 @@ class Trainer:
     async def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
                          progress: Progress) -> None:
         cfg = self.cfg.trainer
+        if cfg.eval_interval and step % cfg.eval_interval == 0:
+            metrics.update(await self.validate(step))
         history.append(metrics)
         self.metrics.write(step, metrics)
         progress.update(step, metrics)
@@ -482,6 +495,23 @@ class Trainer:
             raise StopRequested(step, await self.save(step))
         if cfg.checkpoint_interval and step % cfg.checkpoint_interval == 0 and step < cfg.total_steps:
             await self.save(step)
+
+    async def validate(self, step: int) -> Dict[str, float]:
+        """pass@k of the eval sets with the weights of ``step`` (just published to the engine).
+
+        Runs between steps on the trainer's engine: rollouts admitted earlier go on meanwhile and
+        no prompt is admitted or taken from the ledger for it, so the staleness accounting is
+        untouched. Its requests sample from their own seeded streams (ids carry the step), so a
+        resumed run scores the same steps the same way."""
+        start = time.perf_counter()
+        with self.timeline.span("eval", step=step):
+            results = await self.evaluator.score(self.engine, tag=f"eval-s{step}")
+        metrics = self.evaluator.metrics(results)
+        self._eval_s = time.perf_counter() - start
+        metrics["time/eval_s"] = self._eval_s
+        logger.info("step %d eval: %s", step, ", ".join(
+            f"{name} pass@1 {r['pass@1']:.3f} ({r['problems']} problems)" for name, r in results.items()))
+        return metrics
 
     def check_skipped_steps(self, metrics: Dict[str, float]) -> None:
         """Stop when ``learner.max_skipped_steps`` optimizer steps in a row (policy or critic)
@@ -526,7 +556,9 @@ class Trainer:
                 **self.gpu_telemetry.step_metrics(),
             })
             last[0], last[1] = now, engine_tokens
+            self._eval_s = 0.0
             await self.after_step(step, metrics, history, progress)
+            last[0] += self._eval_s  # the next step's time and throughput leave validation out
 
         self.started = time.perf_counter()
         ran = self.start_step <= cfg.total_steps
@@ -565,6 +597,8 @@ class Trainer:
             self.timeline.close()
             self.samples.close()
             self.rewards.close()
+            if self.evaluator is not None:
+                self.evaluator.close()
             # After a failure the learner thread may be stuck in a collective with a dead rank.
             self.learner_executor.shutdown(wait=finished)
             uninstall_stop_handlers()  # the run is over: a TERM from now on ends the process

@@ -40,7 +40,7 @@ def test_eval_on_a_converted_checkpoint(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     report = evaluate([f"model.path={tmp_path / 'mcore'}", "--limit", "2", "--samples", "2", "--k", "2",
                        "--gsm8k", str(DATA / "gsm8k" / "test.jsonl"), "--math500", str(DATA / "math500" / "test.jsonl"),
-                       "--no-progress", "data.tokenizer=bpe",
+                       "--no-progress", "data.tokenizer=bpe", "data.name=gsm8k", f"data.path={DATA / 'gsm8k' / 'test.jsonl'}",
                        "data.bpe_vocab_size=300", "data.max_prompt_tokens=400", "rollout.max_new_tokens=4"])
     printed = capsys.readouterr().out
     assert json.loads((tmp_path / "eval.json").read_text()) == report
@@ -63,7 +63,7 @@ def test_a_failed_eval_leaves_no_run_directory(tmp_path, capsys, monkeypatch):
 
 
 def test_bad_arguments_are_one_line(tmp_path, capsys):
-    assert main(["--datasets", "mmlu", "model.path=/x"]) == 2
-    assert "megatron_rl.eval: error: --datasets='mmlu': unknown mmlu" in capsys.readouterr().err
+    assert main(["--datasets", "mmlu"]) == 2
+    assert "megatron_rl.eval: error: eval.datasets=['mmlu']: unknown mmlu" in capsys.readouterr().err
     assert main(["--samples", "2", "--k", "3"]) == 2
-    assert "--k=3 must be between 1 and --samples=2" in capsys.readouterr().err
+    assert "eval.k=3 must be between 1 and eval.samples=2" in capsys.readouterr().err

@@ -109,6 +109,13 @@ def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence
         obj.model = resolve_model_config(obj.model)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    from ..data.build import choose_tokenizer
+    from ..errors import UserError
+
+    try:  # data.tokenizer=auto becomes the checkpoint's (model) or the dataset's own: config.yaml says which
+        obj.data.tokenizer = choose_tokenizer(obj)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
     return validate(obj, distributed=distributed)
 
 

@@ -388,21 +388,59 @@ class DataConfig:
     # so most strings are short and a few are long (long-tailed response lengths, as in reasoning RL).
     length_tail: float = 0.0
     # plain | qa (Question/Answer framing asking for '#### <number>') | math (Problem/Solution
-    # framing asking for a \boxed{} answer) | chat (the question as one user message through the
-    # tokenizer's chat template; needs data.tokenizer=model)
+    # framing asking for a \boxed{} answer) | chat (the bare question as one user message through
+    # the tokenizer's chat template; needs a tokenizer with one)
     template: str = "plain"
-    # char (no training, exact for synthetic tasks) | bpe (byte-level BPE trained offline on the
-    # dataset) | model (model.path's tokenizer.json, special tokens, chat template and stop ids)
-    tokenizer: str = "char"
-    # data.tokenizer=model: read the tokenizer from this Hugging Face directory instead of
-    # model.path (e.g. a random-init model with a real tokenizer).
+    # Send each JSONL prompt (its data.template's instruction included) as one user message
+    # through the tokenizer's chat template. null: when the tokenizer has a chat template (a
+    # checkpoint's); true: required; false: never (raw text, e.g. for a base model).
+    apply_chat_template: Optional[bool] = None
+    # auto (the checkpoint's own tokenizer when model.path holds one, or data.tokenizer_path is
+    # set; otherwise char for synthetic tasks and bpe for JSONL datasets) | char (no training,
+    # exact for synthetic tasks) | bpe (byte-level BPE trained offline on the dataset) | model
+    # (the checkpoint's tokenizer.json, special tokens, chat template and stop ids). The run's
+    # config.yaml records the choice auto made.
+    tokenizer: str = "auto"
+    # Read the checkpoint tokenizer from this Hugging Face directory instead of model.path (e.g. a
+    # random-init model with a real tokenizer, or a Megatron checkpoint saved without one).
     tokenizer_path: Optional[str] = None
+    # Use data.tokenizer=char|bpe (or a data.tokenizer_path with another vocabulary) although
+    # model.path holds its own tokenizer, and a small tokenizer with a large pretrained
+    # vocabulary; refused otherwise, since the checkpoint's embedding rows mean its own tokens.
+    force_tokenizer: bool = False
     # Vocabulary size of the BPE tokenizer trained on the dataset (data.tokenizer=bpe).
     bpe_vocab_size: int = 4096
     # Longest prompt in tokens; longer dataset rows are skipped.
     max_prompt_tokens: int = 48
     # Shuffle the prompt order each pass (seeded by trainer.seed).
     shuffle: bool = True
+    # Held-out JSONL in data.name's format (same keys, template and reward): the eval set named
+    # "data" (eval.datasets) that trainer.eval_interval and python -m megatron_rl.eval score.
+    # Synthetic tasks need none: they draw eval.limit fresh prompts from another seed.
+    eval_path: Optional[str] = None
+
+
+@dataclass
+class EvalConfig:
+    # The sets scored by trainer.eval_interval and python -m megatron_rl.eval: data (data.eval_path
+    # in data.name's format, scored by the run's reward; a synthetic task draws fresh prompts) |
+    # gsm8k (GSM8K test, gsm8k reward, qa template) | math500 (MATH-500, math reward, math template).
+    datasets: List[str] = field(default_factory=lambda: ["data"])
+    # Problems of each set: the first N (0: all; a synthetic task's data set needs N > 0).
+    limit: int = 0
+    # Responses per problem (the n of pass@k).
+    samples: int = 1
+    # pass@k reported besides pass@1 (null: eval.samples).
+    k: Optional[int] = None
+    # Sampling temperature of eval responses (null: rollout.temperature). Each eval request samples
+    # from its own seeded stream, so scores do not depend on what else the engine ran.
+    temperature: Optional[float] = None
+    # Problems whose responses are generated at once.
+    batch: int = 64
+    # GSM8K test JSONL (null: shared/data/gsm8k/test.jsonl beside the repository).
+    gsm8k_path: Optional[str] = None
+    # MATH-500 JSONL (null: shared/data/math500/test.jsonl beside the repository).
+    math500_path: Optional[str] = None
 
 
 @dataclass
@@ -480,6 +518,9 @@ class TrainerConfig:
     export_hf: bool = False
     # Write a few decoded responses to samples.jsonl every this many steps.
     log_interval: int = 1
+    # Score the eval sets (eval.datasets) every this many steps with the trainer's engine and
+    # log eval/<set>/pass@1 (and pass@k) to metrics.jsonl and TensorBoard; 0: off.
+    eval_interval: int = 0
     # Seconds between NVML readings of the GPUs this process uses (per-step gpu/ metrics:
     # utilisation, memory, power, clocks); 0 turns GPU telemetry off. No GPU: no gpu/ metrics.
     gpu_telemetry_interval_s: float = 1.0
@@ -505,5 +546,6 @@ class RootConfig:
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

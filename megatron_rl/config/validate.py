@@ -46,7 +46,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
     "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
     "data.template": ("plain", "qa", "math", "chat"),
-    "data.tokenizer": ("char", "bpe", "model"),
+    "data.tokenizer": ("auto", "char", "bpe", "model"),
     "reward.name": REWARDS.names,
     "sandbox.mode": ("auto", "bubblewrap", "namespaces+rlimits", "rlimits"),
 }
@@ -176,6 +176,38 @@ def _correction(cfg: RootConfig) -> None:
         if not (c.reject_high > 0 and 0 <= low < c.reject_high):
             raise ConfigError(f"correction.reject_low={c.reject_low} and correction.reject_high={c.reject_high} "
                               "must make a band 0 <= low < high (e.g. reject_low=0.5 reject_high=2)")
+
+
+EVAL_SETS = ("data", "gsm8k", "math500")
+
+
+def validate_eval(cfg: RootConfig, held_out: bool = True) -> None:
+    """eval.* for a run that scores the eval sets (trainer.eval_interval, python -m
+    megatron_rl.eval): the sets exist, a pass@k can be computed and each set has problems.
+    ``held_out=False``: the data set may be data.path itself (the eval command scores any file)."""
+    e, d = cfg.eval, cfg.data
+    unknown = [n for n in e.datasets if n not in EVAL_SETS]
+    if unknown or not e.datasets:
+        raise ConfigError(f"eval.datasets={list(e.datasets)}: unknown {', '.join(unknown) or 'none given'}; choose "
+                          f"from {', '.join(EVAL_SETS)} (e.g. eval.datasets=[data,gsm8k])")
+    if e.k is not None and e.k > e.samples:
+        raise ConfigError(f"eval.k={e.k} must be between 1 and eval.samples={e.samples} (pass@k needs k <= n samples)")
+    if "data" not in e.datasets:
+        return
+    synthetic = d.name in ("reverse_digits", "sort_digits")
+    if synthetic and not e.limit:
+        raise ConfigError(f"eval.datasets has data, and data.name={d.name} draws prompts without end: set eval.limit "
+                          "(e.g. eval.limit=64)")
+    if not synthetic and not d.eval_path and (held_out or not d.path):
+        raise ConfigError("eval.datasets=[data] scores a held-out set of the run's dataset: set data.eval_path=<jsonl>, "
+                          "or eval.datasets=[gsm8k] (or math500)")
+
+
+def _eval(cfg: RootConfig) -> None:
+    _positive(cfg, ["eval.samples", "eval.batch", "eval.temperature", "eval.k"])
+    _positive(cfg, ["eval.limit", "trainer.eval_interval"], strict=False)
+    if cfg.trainer.eval_interval:
+        validate_eval(cfg)
 
 
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
@@ -314,6 +346,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             f"rollout.max_model_len={context} must lie between data.max_prompt_tokens + rollout.max_new_tokens "
             f"= {needed} and model.max_position_embeddings={m.max_position_embeddings}; leave it unset for the former"
         )
+    _eval(cfg)
     _engine_device(cfg, distributed)
     if distributed:  # the layouts the placement planner will place must fit the model's shape
         from ..models.layout import layout_problems

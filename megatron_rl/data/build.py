@@ -1,45 +1,154 @@
-"""Build the tokenizer and the prompt stream a config asks for."""
+"""Build the tokenizer and the prompt stream a config asks for.
+
+``data.tokenizer=auto`` (the default) takes the checkpoint's own tokenizer whenever there is one
+(``data.tokenizer_path``, or ``model.path`` holding tokenizer files), else ``char`` for the
+synthetic digit tasks and ``bpe`` for JSONL datasets. Another tokenizer for a checkpoint that has
+its own, or a small one for a large pretrained vocabulary, is refused unless
+``data.force_tokenizer=true``: the embedding's rows mean the checkpoint's tokens.
+"""
 
 from __future__ import annotations
 
-from typing import Iterable, Tuple
+from pathlib import Path
+from typing import Iterable, Optional, Tuple
 
 from ..config.schema import RootConfig
 from .datasets import CHAT, DatasetError, DigitTask, JsonlPrompts, Prompt, TEMPLATES, prompt_key, read_jsonl
 from .tokenizer import Tokenizer, char_tokenizer, load_pretrained_tokenizer, train_bpe
 
+SYNTHETIC_TASKS = ("reverse_digits", "sort_digits")
+# Files whose presence says a directory ships a tokenizer.
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
+# A vocabulary this large is a pretrained one (the smallest in common use is Llama-2's 32,000); a
+# tokenizer with fewer than half its ids cannot be the one its embedding was trained with.
+PRETRAINED_VOCAB = 32000
+
+
+def _has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_MARKERS)
+
+
+def checkpoint_tokenizer_dir(model_path: Optional[str]) -> Optional[Path]:
+    """Where ``model.path``'s own tokenizer is: the directory itself (a Hugging Face checkpoint or a
+    converted one), else the run directory of a run's ``checkpoints/step_N`` (the tokenizer the
+    run trained with); None when it has none."""
+    if not model_path:
+        return None
+    path = Path(model_path)
+    if _has_tokenizer(path):
+        return path
+    resolved = path.resolve()
+    run_dir = resolved.parent.parent
+    if resolved.parent.name == "checkpoints" and (run_dir / "config.yaml").is_file() and _has_tokenizer(run_dir):
+        return run_dir
+    return None
+
+
+def _vocabulary(directory: Path) -> Optional[dict]:
+    try:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        return HFTokenizer.from_file(str(directory / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    except Exception:  # unreadable or absent: loading it reports the problem
+        return None
+
+
+def choose_tokenizer(cfg: RootConfig) -> str:
+    """The tokenizer ``data.tokenizer`` means for this config: auto resolved, and a choice that
+    would feed a checkpoint ids of another vocabulary refused (DatasetError, one line) unless
+    ``data.force_tokenizer=true``."""
+    d = cfg.data
+    own = checkpoint_tokenizer_dir(cfg.model.path)
+    if d.tokenizer == "auto":
+        if d.tokenizer_path or own is not None:
+            choice = "model"
+        else:
+            choice = "char" if d.name in SYNTHETIC_TASKS else "bpe"
+    else:
+        choice = d.tokenizer
+    if own is None or d.force_tokenizer:
+        return choice
+    if choice in ("char", "bpe"):
+        raise DatasetError(f"data.tokenizer={choice} with model.path={cfg.model.path!r}, which has its own tokenizer "
+                           f"({own}): the checkpoint's embedding rows mean its own tokens; leave data.tokenizer unset "
+                           "(auto uses the checkpoint's), or set data.force_tokenizer=true to train through another")
+    if d.tokenizer_path and Path(d.tokenizer_path).resolve() != own.resolve():
+        theirs, ours = _vocabulary(Path(d.tokenizer_path)), _vocabulary(own)
+        if theirs is not None and ours is not None and theirs != ours:
+            raise DatasetError(f"data.tokenizer_path={d.tokenizer_path!r} has another vocabulary than the tokenizer of "
+                               f"model.path ({own}): leave data.tokenizer_path unset to use the checkpoint's, or set "
+                               "data.force_tokenizer=true")
+    return choice
+
+
+def check_vocabulary(cfg: RootConfig, tokenizer: Tokenizer) -> None:
+    """Refuse a tokenizer far smaller than a pretrained checkpoint's vocabulary (a 16k BPE fitted
+    on the dataset fed to a 152k embedding): its ids would pick rows trained for other tokens."""
+    if cfg.model.path is None or cfg.data.force_tokenizer:
+        return
+    from ..models.convert import pretrained_model_config  # models sits above data: imported when needed
+
+    try:
+        _, vocab = pretrained_model_config(cfg.model.path, cfg.model.dtype)
+    except Exception:  # an unreadable checkpoint is reported where the model is built
+        return
+    if vocab >= PRETRAINED_VOCAB and tokenizer.vocab_size * 2 < vocab:
+        raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} ids but model.path={cfg.model.path!r} has a "
+                           f"pretrained vocabulary of {vocab}: its ids would select embedding rows trained for other "
+                           "tokens; use the checkpoint's tokenizer (data.tokenizer_path=<its Hugging Face "
+                           "directory>), or set data.force_tokenizer=true")
+
 
 def build_tokenizer(cfg: RootConfig) -> Tokenizer:
     d = cfg.data
-    if d.tokenizer == "model":
-        directory = d.tokenizer_path or cfg.model.path
+    choice = choose_tokenizer(cfg)
+    if choice == "model":
+        directory = d.tokenizer_path or checkpoint_tokenizer_dir(cfg.model.path) or cfg.model.path
         if directory is None:
             raise DatasetError("data.tokenizer=model reads model.path's tokenizer.json, and model.path is not set; "
                                "set model.path (or data.tokenizer_path) to a Hugging Face directory, or choose "
                                "data.tokenizer=char|bpe")
         try:
-            return load_pretrained_tokenizer(directory)
+            tokenizer = load_pretrained_tokenizer(str(directory))
         except ValueError as err:
             raise DatasetError(str(err)) from None
-    if d.template == CHAT:
-        raise DatasetError(f"data.template=chat needs the checkpoint's chat template, but data.tokenizer={d.tokenizer}; "
-                           "set data.tokenizer=model (with model.path) or data.template=plain|qa")
-    if d.tokenizer == "char":
-        return char_tokenizer(d.digits + "=")
-    # Byte-level BPE trained on the dataset's own prompts and answers (offline, ~1 s).
-    key = prompt_key(d.name, d.prompt_key)
-    rows = read_jsonl(d.path, [key, d.answer_key])
-    texts = (TEMPLATES[d.template].format(question=r[key]) + " " + r[d.answer_key] for r in rows)
-    return train_bpe(texts, d.bpe_vocab_size)
+    elif d.template == CHAT or d.apply_chat_template:
+        key = "data.template=chat" if d.template == CHAT else "data.apply_chat_template=true"
+        raise DatasetError(f"{key} needs the checkpoint's chat template, but data.tokenizer={choice}; "
+                           "set model.path (or data.tokenizer_path) to a directory with a tokenizer, or "
+                           + ("data.template=plain|qa" if d.template == CHAT else "data.apply_chat_template=null"))
+    elif choice == "char":
+        tokenizer = char_tokenizer(d.digits + "=")
+    else:
+        # Byte-level BPE trained on the dataset's own prompts and answers (offline, ~1 s).
+        key = prompt_key(d.name, d.prompt_key)
+        rows = read_jsonl(d.path, [key, d.answer_key])
+        texts = (TEMPLATES[d.template].format(question=r[key]) + " " + r[d.answer_key] for r in rows)
+        tokenizer = train_bpe(texts, d.bpe_vocab_size)
+    check_vocabulary(cfg, tokenizer)
+    return tokenizer
+
+
+def wraps_in_chat(cfg: RootConfig, tokenizer: Tokenizer) -> bool:
+    """Whether JSONL prompts go through the tokenizer's chat template (``data.apply_chat_template``;
+    null: when the tokenizer has one). ``data.template=chat`` renders its own way."""
+    wanted = cfg.data.apply_chat_template
+    if cfg.data.template == CHAT or wanted is False:
+        return False
+    if wanted and tokenizer.chat_template is None:
+        raise DatasetError("data.apply_chat_template=true needs a chat template, and this tokenizer has none: use a "
+                           "model.path (or data.tokenizer_path) whose tokenizer_config.json has a chat_template, or "
+                           "leave data.apply_chat_template unset")
+    return tokenizer.chat_template is not None
 
 
 def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
     d = cfg.data
-    if d.name in ("reverse_digits", "sort_digits"):
+    if d.name in SYNTHETIC_TASKS:
         return DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits, cfg.trainer.seed,
                          distinct=d.distinct_digits, length_tail=d.length_tail)
     return JsonlPrompts(d.path, tokenizer, prompt_key(d.name, d.prompt_key), d.answer_key, d.template, d.max_prompt_tokens,
-                        cfg.trainer.seed, d.shuffle, gsm8k=d.name == "gsm8k")
+                        cfg.trainer.seed, d.shuffle, gsm8k=d.name == "gsm8k", chat=wraps_in_chat(cfg, tokenizer))
 
 
 def build_data(cfg: RootConfig) -> Tuple[Tokenizer, Iterable[Prompt]]:

@@ -84,10 +84,21 @@ TEMPLATES = {
 }
 # data.template=chat: the question as one user message through the tokenizer's chat template.
 CHAT = "chat"
+# A template's user message when it goes through a chat template (the assistant turn follows, so
+# no trailing "Answer:").
+CHAT_MESSAGES = {
+    "plain": "{question}",
+    "qa": "{question}\nLet's think step by step and end with '#### <number>'.",
+    "math": "{question}\nLet's think step by step and put the final answer in \\boxed{{}}.",
+}
 
 
-def render_prompt(template: str, question: str, tokenizer: Tokenizer) -> str:
-    """The prompt text of one question under ``data.template``."""
+def render_prompt(template: str, question: str, tokenizer: Tokenizer, chat: bool = False) -> str:
+    """The prompt text of one question under ``data.template``; ``chat``: as one user message
+    through the tokenizer's chat template (data.apply_chat_template)."""
+    if chat and template != CHAT:
+        message = CHAT_MESSAGES[template].format(question=question)
+        return tokenizer.chat_template.render([{"role": "user", "content": message}], add_generation_prompt=True)
     if template != CHAT:
         return TEMPLATES[template].format(question=question)
     if tokenizer.chat_template is None:
@@ -110,7 +121,7 @@ class JsonlPrompts:
 
     def __init__(self, path: str, tokenizer: Tokenizer, prompt_key: str, answer_key: str,
                  template: str, max_prompt_tokens: int, seed: int, shuffle: bool = True,
-                 gsm8k: bool = False):
+                 gsm8k: bool = False, chat: bool = False):
         rows = read_jsonl(path, [prompt_key, answer_key])
         self.prompts: List[Prompt] = []
         too_long = 0
@@ -122,8 +133,8 @@ class JsonlPrompts:
                 except ValueError as err:
                     raise DatasetError(f"{path}:{i + 1}: field {answer_key!r}: {err}") from None
             question = row[prompt_key].strip()
-            text = render_prompt(template, question, tokenizer)
-            ids = tokenizer.encode(text) if template == CHAT else tokenizer.prompt_ids(text)
+            text = render_prompt(template, question, tokenizer, chat)
+            ids = tokenizer.encode(text) if template == CHAT or chat else tokenizer.prompt_ids(text)
             if len(ids) > max_prompt_tokens:
                 too_long += 1
                 continue
