@@ -41,7 +41,7 @@ from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.agent import AgentError
+from .rollout.agent import AgentError, agent_metrics, runs
 from .rollout.workflow import build_workflow
 from .rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
@@ -231,7 +231,7 @@ class Trainer:
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
         try:
             self.workflow = build_workflow(r.workflow, self.tokenizer, cfg.model.max_position_embeddings,
-                                           r.turn_discount)
+                                           r.turn_discount, r.agent_args)
         except ValueError as err:  # e.g. an agent with a tokenizer that has no chat template
             raise ConfigError(str(err)) from None
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
@@ -332,8 +332,9 @@ class Trainer:
         return metrics
 
     def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
-        """Reward, length and staleness statistics of one training batch."""
-        rewards = np.array([t.reward for t in flat])
+        """Reward, length and staleness statistics of one training batch; rewards per run (an
+        agent run of several trajectories counts once), lengths and staleness per trajectory."""
+        rewards = np.array([t.reward for t in runs(flat)])
         lengths = np.array([len(t.response_ids) for t in flat])
         staleness = np.array([train_version - t.oldest_version for t in flat if t.versions])
         return {
@@ -350,6 +351,7 @@ class Trainer:
             "staleness/histogram": np.bincount(staleness.astype(int), minlength=self.cfg.scheduler.max_staleness + 1).tolist()
             if staleness.size else [],
             "policy/version": float(train_version + 1),
+            **agent_metrics(flat),
         }
 
     def engine_metrics(self) -> Dict[str, float]:
@@ -496,6 +498,14 @@ class Trainer:
                 "are in logs/train.log")
 
     async def _run(self) -> Dict[str, float]:
+        try:
+            return await self._train()
+        finally:
+            close = getattr(self.workflow, "close", None)  # an agent's chat server, on this event loop
+            if close is not None:
+                await close()
+
+    async def _train(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
         await asyncio.gather(*(e.open_timeline(str(self.run_dir)) for e in self._remote_engines))
         await self.engine.set_sampling_state(self._engine_sampling_state)

@@ -57,6 +57,9 @@ class Trajectory:
     # Agent runs: the share of the run's advantage this trajectory gets (the per-turn discount of
     # earlier turns; 1 for single-turn samples).
     advantage_scale: float = 1.0
+    # Agent runs: the run's counts (turns, tool_calls, context_overflows, trajectories), the same
+    # dict on each of its trajectories, for per-run metrics (rollout/agent/metrics.py).
+    agent_run: Optional[Dict[str, int]] = None
     # Per-token advantages (PPO with a critic: GAE); when set they replace ``advantage``.
     token_advantages: Optional[List[float]] = None
     # The critic's values before its update and the GAE returns it regresses on, per response token.
