@@ -324,17 +324,17 @@ class Trainer:
         """One learner update of policy ``version`` (step ``version + 1``) on every learner rank,
         and the batch's metrics. Runs on the learner thread."""
         step = version + 1
-        flat = [t for grp in groups for t in grp]
-        metrics = self.batch_metrics(flat, version)  # the verifier's rewards, before any KL charge
+        metrics = self.batch_metrics(groups, version)  # the verifier's rewards, before any KL charge
         with self.timeline.span("train", step=step):
             metrics.update(self.learners.call("train", groups, version, lr_at(self.cfg, step)))
         self.log_samples(step, prompts, groups)  # with the advantages the learner assigned
         return metrics
 
-    def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
+    def batch_metrics(self, groups: Sequence[Sequence[Trajectory]], train_version: int) -> Dict[str, float]:
         """Reward, length and staleness statistics of one training batch; rewards per run (an
         agent run of several trajectories counts once), lengths and staleness per trajectory."""
-        rewards = np.array([t.reward for t in runs(flat)])
+        flat = [t for grp in groups for t in grp]
+        rewards = np.array([t.reward for t in runs(groups)])
         lengths = np.array([len(t.response_ids) for t in flat])
         staleness = np.array([train_version - t.oldest_version for t in flat if t.versions])
         return {
@@ -351,7 +351,7 @@ class Trainer:
             "staleness/histogram": np.bincount(staleness.astype(int), minlength=self.cfg.scheduler.max_staleness + 1).tolist()
             if staleness.size else [],
             "policy/version": float(train_version + 1),
-            **agent_metrics(flat),
+            **agent_metrics(groups),
         }
 
     def engine_metrics(self) -> Dict[str, float]:

@@ -260,12 +260,15 @@ def test_per_run_metrics_count_a_run_once():
 
     two = {"turns": 4, "tool_calls": 2, "context_overflows": 1, "trajectories": 2}
     one = {"turns": 1, "tool_calls": 0, "context_overflows": 0, "trajectories": 1}
-    flat = [traj("a", 0, 1.0, two), traj("a", 0, 1.0, two), traj("a", 1, 0.0, one), traj("b", 0, 0.0, one)]
-    assert [t.reward for t in runs(flat)] == [1.0, 0.0, 0.0]  # reward/mean 1/3, not 2/4
-    assert agent_metrics(flat) == {"agent/turns_mean": 2.0, "agent/tool_calls_mean": 2 / 3,
-                                   "agent/context_overflows_mean": 1 / 3, "agent/trajectories_mean": 4 / 3,
-                                   "agent/turns_max": 4.0, "agent/context_overflows": 1.0, "agent/runs": 3.0}
-    assert agent_metrics([traj("a", 0, 1.0)]) == {}  # single-turn samples: no agent metrics
+    groups = [[traj("a", 0, 1.0, two), traj("a", 0, 1.0, two), traj("a", 1, 0.0, one)], [traj("b", 0, 0.0, one)]]
+    assert [t.reward for t in runs(groups)] == [1.0, 0.0, 0.0]  # reward/mean 1/3, not 2/4
+    assert agent_metrics(groups) == {"agent/turns_mean": 2.0, "agent/tool_calls_mean": 2 / 3,
+                                     "agent/context_overflows_mean": 1 / 3, "agent/trajectories_mean": 4 / 3,
+                                     "agent/turns_max": 4.0, "agent/context_overflows": 1.0, "agent/runs": 3.0}
+    # The same prompt drawn twice into one batch: two groups, four runs.
+    single = [[traj("a", 0, 1.0), traj("a", 1, 0.0)], [traj("a", 0, 1.0), traj("a", 1, 1.0)]]
+    assert len(runs(single)) == 4
+    assert agent_metrics(single) == {}  # single-turn samples: no agent metrics
 
 
 def test_an_agent_whose_calls_never_reach_the_server_stops_at_once_with_the_fix(megatron_world, chat_tokenizer_dir,
@@ -280,9 +283,10 @@ def test_an_agent_whose_calls_never_reach_the_server_stops_at_once_with_the_fix(
     finally:
         sock.close()
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line.startswith("megatron_rl: error: rollout.workflow='agent_helpers:ElsewhereAgent': the agent's model "
-                           "calls never reached the chat server (APIConnectionError: Connection error.); use the "
-                           "client, base_url or api_key handed to the run"), line
+    assert line.startswith("megatron_rl: error: rollout.workflow='agent_helpers:ElsewhereAgent': "
+                           "the agent's model calls never reached the chat server "
+                           "(APIConnectionError: Connection error.); use the client, base_url or api_key handed "
+                           "to the run"), line
     assert "The engine answers" not in line and not trained
 
 

@@ -3,9 +3,9 @@
 Each turn the model may call ``python`` (``<tool_call>{"name": "python", "arguments": {"code":
 "print(17 * 23)"}}</tool_call>``); the code runs in ``megatron_rl.rewards.sandbox`` and what it
 printed comes back as the tool's answer. A turn without a tool call and without a final
-``#### <number>`` gets a nudge, up to ``max_turns`` model turns. The reward is GSM8K's exact match
-of the last ``####`` answer (``rollout.agent_args.max_turns=5`` allows more turns). It is an ordinary OpenAI-client chat loop: the same code runs
-against any OpenAI-compatible server.
+``#### <number>`` gets a nudge, up to ``max_turns`` model turns (``rollout.agent_args.max_turns``).
+The reward is GSM8K's exact match of the last ``####`` answer. It is an ordinary OpenAI-client
+chat loop: the same code runs against any OpenAI-compatible server.
 
     rollout.workflow=calculator_agent   (or rollout.workflow=megatron_rl.rollout.agent.calculator:CalculatorAgent)
 """
