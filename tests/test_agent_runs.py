@@ -133,21 +133,27 @@ _RUN_NUMBERS = itertools.count(1000)
 
 
 async def _interleaved_env_agent(data, client=None):
-    """Three calls from an ``AsyncOpenAI()`` built inside the run, each carrying the run's own
-    number, with yields between them so that the runs' calls interleave."""
+    """Three calls from clients built from the environment inside the run, each carrying the
+    run's own number, with yields between them so that the runs' calls interleave: two from an
+    ``AsyncOpenAI()``, the last from a synchronous ``OpenAI()`` in a thread (asyncio.to_thread)."""
     import random
 
-    from openai import AsyncOpenAI
+    from openai import AsyncOpenAI, OpenAI
 
     number = next(_RUN_NUMBERS)
-    env_client = AsyncOpenAI(max_retries=0)
+    env_client, sync_client = AsyncOpenAI(max_retries=0), OpenAI(max_retries=0)
     messages = []
     for turn in range(3):
         messages.append({"role": "user", "content": f"Run {number}, turn {turn}."})
-        reply = await env_client.chat.completions.create(model="policy", max_tokens=2, messages=messages)
+        if turn < 2:
+            reply = await env_client.chat.completions.create(model="policy", max_tokens=2, messages=messages)
+        else:
+            reply = await asyncio.to_thread(sync_client.chat.completions.create, model="policy", max_tokens=2,
+                                            messages=messages)
         messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
         await asyncio.sleep(random.random() * 0.01)
     await env_client.close()
+    sync_client.close()
     return float(number)
 
 

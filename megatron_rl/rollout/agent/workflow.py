@@ -88,16 +88,18 @@ def run_data(prompt) -> Dict[str, Any]:
 
 
 def _is_connection_failure(err: BaseException) -> bool:
-    """An HTTP client's failure: openai's errors, a refused or failed connection."""
-    if isinstance(err, OSError):
+    """An HTTP client's failure (openai's errors, a refused or failed connection), not the
+    agent's own (a KeyError, a missing file)."""
+    if isinstance(err, ConnectionError):
         return True
-    for module_name, names in (("openai", ("OpenAIError",)), ("httpx2", ("TransportError",)),
-                               ("httpx", ("TransportError",))):
+    for module_name, name in (("openai", "OpenAIError"), ("httpx2", "TransportError"), ("httpx", "TransportError"),
+                              ("aiohttp", "ClientConnectionError")):
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
-        if any(isinstance(err, getattr(module, n)) for n in names if hasattr(module, n)):
+        kind = getattr(module, name, None)
+        if kind is not None and isinstance(err, kind):
             return True
     return False
 
