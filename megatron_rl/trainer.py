@@ -41,7 +41,7 @@ from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.agent import AgentError
+from .rollout.agent import AgentError, agent_metrics, runs
 from .rollout.workflow import build_workflow
 from .rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
@@ -231,7 +231,7 @@ class Trainer:
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
         try:
             self.workflow = build_workflow(r.workflow, self.tokenizer, cfg.model.max_position_embeddings,
-                                           r.turn_discount)
+                                           r.turn_discount, r.agent_args)
         except ValueError as err:  # e.g. an agent with a tokenizer that has no chat template
             raise ConfigError(str(err)) from None
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")
@@ -335,16 +335,17 @@ class Trainer:
         """One learner update of policy ``version`` (step ``version + 1``) on every learner rank,
         and the batch's metrics. Runs on the learner thread."""
         step = version + 1
-        flat = [t for grp in groups for t in grp]
-        metrics = self.batch_metrics(flat, version)  # the verifier's rewards, before any KL charge
+        metrics = self.batch_metrics(groups, version)  # the verifier's rewards, before any KL charge
         with self.timeline.span("train", step=step):
             metrics.update(self.learners.call("train", groups, version, lr_at(self.cfg, step)))
         self.log_samples(step, prompts, groups)  # with the advantages the learner assigned
         return metrics
 
-    def batch_metrics(self, flat: Sequence[Trajectory], train_version: int) -> Dict[str, float]:
-        """Reward, length and staleness statistics of one training batch."""
-        rewards = np.array([t.reward for t in flat])
+    def batch_metrics(self, groups: Sequence[Sequence[Trajectory]], train_version: int) -> Dict[str, float]:
+        """Reward, length and staleness statistics of one training batch; rewards per run (an
+        agent run of several trajectories counts once), lengths and staleness per trajectory."""
+        flat = [t for grp in groups for t in grp]
+        rewards = np.array([t.reward for t in runs(groups)])
         lengths = np.array([len(t.response_ids) for t in flat])
         staleness = np.array([train_version - t.oldest_version for t in flat if t.versions])
         return {
@@ -361,6 +362,7 @@ class Trainer:
             "staleness/histogram": np.bincount(staleness.astype(int), minlength=self.cfg.scheduler.max_staleness + 1).tolist()
             if staleness.size else [],
             "policy/version": float(train_version + 1),
+            **agent_metrics(groups),
         }
 
     def engine_metrics(self) -> Dict[str, float]:
@@ -526,6 +528,14 @@ class Trainer:
                 "are in logs/train.log")
 
     async def _run(self) -> Dict[str, float]:
+        try:
+            return await self._train()
+        finally:
+            close = getattr(self.workflow, "close", None)  # an agent's chat server, on this event loop
+            if close is not None:
+                await close()
+
+    async def _train(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
         await asyncio.gather(*(e.open_timeline(str(self.run_dir)) for e in self._remote_engines))
         await self.engine.set_sampling_state(self._engine_sampling_state)

@@ -60,6 +60,9 @@ class Trajectory:
     # Agent runs: the share of the run's advantage this trajectory gets (the per-turn discount of
     # earlier turns; 1 for single-turn samples).
     advantage_scale: float = 1.0
+    # Agent runs: the run's counts (turns, tool_calls, context_overflows, trajectories), the same
+    # dict on each of its trajectories, for per-run metrics (rollout/agent/metrics.py).
+    agent_run: Optional[Dict[str, int]] = None
     # Mixture-of-experts routing replay: the experts the engine chose in each MoE layer for every
     # position of prompt + response, a [positions, moe_layers, top_k] uint8/int16 numpy array
     # (255 / -1 where the engine computed nothing, e.g. the last response token); None if unrecorded.

@@ -3,7 +3,10 @@ an engine tap that records what the engine produced, and agents to load by impor
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import socket
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
@@ -134,8 +137,8 @@ async def run_agent_return_reward(data) -> float:
     return float(len(first.choices[0].message.content or "") % 2)
 
 
-class NoClientParam:
-    async def run(self, data):
+class ExtraParam:
+    async def run(self, data, client, budget):
         return 0.0
 
 
@@ -144,11 +147,96 @@ class NotAsync:
         return 0.0
 
 
-async def two_params(data, client):
+async def no_data():
     return 0.0
+
+
+class NeedsArgs:
+    def __init__(self, max_turns):
+        self.max_turns = max_turns
+
+    async def run(self, data, client):
+        return 0.0
 
 
 class ReturnsText:
     async def run(self, data, client):
         await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         return "1.0"
+
+
+class ArealStyleAgent:
+    """In the shape of AReaL's example agents (areal/workflow/openai/math_agent.py): constructor
+    keyword arguments, ``run(self, data, **extra_kwargs)`` reading base_url, api_key and
+    http_client (falling back to the environment), an AsyncOpenAI on them, ``model="default"``,
+    ``data["messages"]``. What each run was handed is kept in ``handed``."""
+
+    handed: List[dict] = []
+
+    def __init__(self, max_turns: int = 1, **kwargs):
+        self.max_turns = max_turns
+        self.kwargs = kwargs.copy()
+
+    async def run(self, data: dict, **extra_kwargs) -> float:
+        from openai import AsyncOpenAI
+
+        ArealStyleAgent.handed.append(dict(extra_kwargs, data=data))
+        http_client = extra_kwargs.get("http_client", None)
+        base_url = extra_kwargs.get("base_url", None) or os.getenv("OPENAI_BASE_URL")
+        api_key = extra_kwargs.get("api_key", None) or os.getenv("OPENAI_API_KEY")
+        client = AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0)
+        messages = data["messages"].copy()
+        reward = 0.0
+        for _ in range(self.max_turns):
+            response = await client.chat.completions.create(messages=messages, model="default", **self.kwargs)
+            message = response.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            reward = float(data["answer"] in (message.content or ""))
+            messages.append({"role": "user", "content": "Check your answer and try again."})
+        return reward
+
+
+class EnvClientAgent:
+    """``run(self, data)`` with a client built from the environment, ``AsyncOpenAI()``. A first
+    reply of odd length makes the second call rewrite the history (a second trajectory) and
+    scores 1; an even one continues it (one trajectory) and scores 0."""
+
+    async def run(self, data) -> float:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI()
+        question = [{"role": "user", "content": data["question"]}]
+        first = await client.chat.completions.create(model="policy", messages=question)
+        text = first.choices[0].message.content or ""
+        rewrite = len(text) % 2 == 1
+        history = [{"role": "user", "content": "Say it again."}] if rewrite else question + [
+            {"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
+        await client.chat.completions.create(model="policy", messages=history)
+        await client.close()
+        return 1.0 if rewrite else 0.0
+
+
+def closed_port() -> socket.socket:
+    """A bound socket that does not listen: connections to its port are refused."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class ElsewhereAgent:
+    """Its client points at a port nobody listens on (set in ``port`` by the test)."""
+
+    port = 9
+
+    async def run(self, data) -> float:
+        from openai import AsyncOpenAI
+
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="x", max_retries=0)
+        await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        return 1.0
+
+
+class FailsBeforeCalling:
+    async def run(self, data, client) -> float:
+        await asyncio.sleep(0)
+        return float(data["no_such_column"])

@@ -136,7 +136,8 @@ REFUSED = [
     ({**GOOD, "messages": [{"content": "hi"}]}, 400, "messages[0].role"),
     ({**GOOD, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
     ({**GOOD, "messages": []}, 400, "non-empty array"),
-    ({**GOOD, "model": "gpt-4o"}, 400, "model \"gpt-4o\" is not served here; the served model is 'policy'"),
+    ({**GOOD, "model": "gpt-4o"}, 400, "model \"gpt-4o\" is not served here; the served model is 'policy' (what GET "
+                                       "/v1/models lists; 'default' names it too)"),
     ({k: v for k, v in GOOD.items() if k != "model"}, 400, "no 'model'"),
     ({**GOOD, "max_tokens": 0}, 400, "max_tokens=0 is invalid: it must be an integer of at least 1"),
     ({**GOOD, "max_completion_tokens": -1}, 400, "max_completion_tokens=-1"),
@@ -244,3 +245,40 @@ def test_calls_left_running_when_the_agent_returns_are_aborted_and_not_recorded(
     results, run = _serve(engine, tokenizer, work)
     assert all(isinstance(r, ConflictError) and r.body["code"] == "run_closed" for r in results), results
     assert not run.aborted and not run.turns
+
+
+
+def _post_with(port: int, path: str, headers: dict, body: dict):
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, dict(response.headers), json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), json.loads(err.read())
+
+
+def test_the_shared_url_finds_the_run_by_its_key_or_header_and_refuses_a_call_naming_none(engine, tokenizer):
+    """What a client that is not the run's own sends: the shared /v1 with the run's API key
+    (AReaL's session keys) or the run header; with neither, a 404 saying how to reach a run.
+    Refusals tell the openai client not to retry. The bodies ask for n=2, so a call that finds
+    its run is refused after the routing (400), before the engine (this module's engine
+    generates on one event loop only)."""
+    body = {**GOOD, "model": "default", "n": 2}  # "default": AReaL's name for the served model
+
+    async def work(server, run):
+        path = "/v1/chat/completions"
+        sent = [{"Authorization": "Bearer megatron_rl-r1"}, {"X-Megatron-RL-Run": "r1"},
+                {"Authorization": "Bearer megatron_rl"}, {"Authorization": "Bearer megatron_rl-r2"}]
+        answers = [await asyncio.to_thread(_post_with, server.port, path, headers, body) for headers in sent]
+        return answers, run.requests
+
+    (by_key, by_header, neither, other), requests = _serve(engine, tokenizer, work)
+    for status, headers, answer in (by_key, by_header):
+        assert status == 400 and answer["error"]["message"].startswith("n must be 1"), answer
+        assert headers["x-should-retry"] == "false"
+    assert requests == 2
+    status, headers, answer = neither
+    assert status == 404 and answer["error"]["code"] == "no_run" and headers["x-should-retry"] == "false"
+    assert answer["error"]["message"].startswith("/v1/chat/completions names no agent run: call from inside a run")
+    assert other[0] == 404 and "run 'r2' is not open" in other[2]["error"]["message"]

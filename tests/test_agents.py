@@ -186,9 +186,13 @@ def test_an_agent_function_loaded_by_import_path_trains(megatron_world, hf_dir, 
     ("no_such_pkg.agents:Agent", "module 'no_such_pkg' is not importable"),
     ("agent_helpers:Missing", "'agent_helpers' has no attribute 'Missing'"),
     ("agent_helpers:GSM8K", "is a PosixPath; point it at an agent class"),
-    ("agent_helpers:NoClientParam", "NoClientParam.run(self, data) cannot be called as NoClientParam.run(self, data, client)"),
-    ("agent_helpers:NotAsync", "class NotAsync needs a method `async def run(self, data, client) -> float`"),
-    ("agent_helpers:two_params", "two_params(data, client) cannot be called as two_params(data)"),
+    ("agent_helpers:ExtraParam", "ExtraParam.run(data, client, budget) has a parameter `budget` "
+                                 "the trainer cannot fill: a run is handed data and, by name, client, base_url, "
+                                 "api_key, http_client"),
+    ("agent_helpers:NotAsync", "class NotAsync needs a method `async def run(self, data, ...) -> float`"),
+    ("agent_helpers:no_data", "no_data() takes no `data` argument first"),
+    ("agent_helpers:NeedsArgs", "NeedsArgs() cannot be called (missing a required argument: 'max_turns'); give its "
+                                "required arguments in rollout.agent_args"),
     ("agent_helpers:write_tokenizer", "is a function; point it at an agent class"),
     ("agent_helpers:", "is not an import path"),
 ])

@@ -87,6 +87,22 @@ def check_overrides(overrides: Sequence[str]) -> None:
         raise unknown_key(key, f"command line: {text}")
 
 
+def _into_dicts(overrides: Sequence[str]) -> List[str]:
+    """Overrides of a dict-valued field (``rollout.agent_args``) or of a key inside one, as Hydra's
+    add-or-replace (``++``): the schema's empty dict has no keys to override, and Hydra refuses
+    new ones without the prefix."""
+    fields = schema_fields()
+    out = []
+    for text in overrides:
+        key = text.partition("=")[0]
+        parent = key
+        while "." in parent and parent not in fields:
+            parent = parent.rpartition(".")[0]
+        is_dict = parent in fields and typing.get_origin(fields[parent]) in (dict, typing.Dict)
+        out.append("++" + text if is_dict and not text.startswith(("+", "~")) else text)
+    return out
+
+
 def _recipe_names() -> List[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
@@ -161,6 +177,7 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distrib
     register_configs()
     config_dir, config_name = recipe_location(recipe)
     check_overrides(overrides)
+    overrides = _into_dicts(overrides)
     with initialize_config_dir(config_dir=str(config_dir), version_base=None):
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides))

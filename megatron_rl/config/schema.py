@@ -7,7 +7,7 @@ Validation of values lives in ``validate.py`` so that these stay plain data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -184,6 +184,9 @@ class RolloutConfig:
     # How a prompt becomes its group of trajectories: single_turn (one response per sample), an
     # agent by name (calculator_agent) or by import path (my_pkg.agents:MyAgent); docs/agents.md.
     workflow: str = "single_turn"
+    # Agents: keyword arguments of the agent class's constructor, e.g. rollout.agent_args.max_turns=5
+    # or rollout.agent_args={max_turns:5,tools:[python]} (empty: constructed with none).
+    agent_args: Dict[str, Any] = field(default_factory=dict)
     # Agents: each trajectory of a run gets the run's advantage times turn_discount ** (model
     # turns after it), so earlier turns get less credit; 1 gives every turn the same.
     turn_discount: float = 1.0

@@ -227,9 +227,12 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         _choice(cfg, key)
     if is_agent(cfg.rollout.workflow):
         try:
-            resolve_agent(cfg.rollout.workflow)
+            resolve_agent(cfg.rollout.workflow, cfg.rollout.agent_args)
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    elif cfg.rollout.agent_args:
+        raise ConfigError(f"rollout.agent_args={dict(cfg.rollout.agent_args)} is for agents, but "
+                          f"rollout.workflow={cfg.rollout.workflow} is not one; drop agent_args or name an agent")
         if not 0.0 < cfg.rollout.turn_discount <= 1.0:
             raise ConfigError(f"rollout.turn_discount={cfg.rollout.turn_discount} must be in (0, 1] (1: every "
                               "turn of a run gets its full advantage)")

@@ -5,7 +5,7 @@ an agent's import path (``my_pkg.agents:MyAgent``, see rollout/agent/)."""
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Mapping, Optional, Sequence, Tuple
 
 from ..registry import Registry
 from ..types import GenerationChunk, SamplingParams, Trajectory
@@ -52,8 +52,8 @@ async def generate_groups(engine: RolloutEngine, work: Sequence[Tuple[Prompt, in
         group(engine, prompt, params, [f"{tag}-{prompt.uid}-{i}" for i in range(n)]) for prompt, n in work)))
 
 
-# Agents by name (classes with ``async run(self, data, client)`` or ``async def f(data)``
-# functions): rollout.workflow=<name> runs one like an import path would.
+# Agents by name (classes with ``async run(self, data, ...)`` or ``async def f(data)``
+# functions, rollout/agent/spec.py): rollout.workflow=<name> runs one like an import path would.
 AGENTS: Registry[Any] = Registry("agent")
 
 
@@ -62,14 +62,15 @@ def workflow_names() -> Tuple[str, ...]:
     return WORKFLOWS.names() + AGENTS.names()
 
 
-def resolve_agent(name: str) -> Any:
+def resolve_agent(name: str, args: Optional[Mapping[str, Any]] = None) -> Any:
     """The AgentSpec of ``rollout.workflow``: an import path (``pkg.mod:MyAgent``) or a name in
-    AGENTS. Raises ValueError (PluginError or AgentError) with one line."""
+    AGENTS, a class constructed with ``args`` (``rollout.agent_args``). Raises ValueError
+    (PluginError or AgentError) with one line."""
     from ..plugins import is_import_path, load_object
     from .agent import agent_spec
 
     obj = load_object(name, what="rollout.workflow") if is_import_path(name) else AGENTS.get(name)
-    return agent_spec(obj, name)
+    return agent_spec(obj, name, args)
 
 
 def is_agent(name: str) -> bool:
@@ -78,14 +79,15 @@ def is_agent(name: str) -> bool:
     return is_import_path(name) or name in AGENTS
 
 
-def build_workflow(name: str, tokenizer: Any = None, max_context: int = 0, turn_discount: float = 1.0) -> GroupWorkflow:
-    """The group workflow ``rollout.workflow`` names; an agent gets a chat server with the
-    tokenizer (its chat template) and the model's context length."""
+def build_workflow(name: str, tokenizer: Any = None, max_context: int = 0, turn_discount: float = 1.0,
+                   agent_args: Optional[Mapping[str, Any]] = None) -> GroupWorkflow:
+    """The group workflow ``rollout.workflow`` names; an agent (constructed with ``agent_args``)
+    gets a chat server with the tokenizer (its chat template) and the model's context length."""
     if not is_agent(name):
         return WORKFLOWS.get(name)
     from .agent import AgentWorkflow
 
-    return AgentWorkflow(resolve_agent(name), tokenizer, max_context, turn_discount)
+    return AgentWorkflow(resolve_agent(name, agent_args), tokenizer, max_context, turn_discount)
 
 
 def _register_agents() -> None:

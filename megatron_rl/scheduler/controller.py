@@ -118,10 +118,13 @@ class AsyncController:
         self._failed_streak += 1
         limit = self.max_failed_batches * self.ledger.staleness.groups_per_batch
         if self._failed_streak >= limit and self._stopped is None:
+            # A workflow's error may say why its groups fail (an agent that never reaches its server).
+            why = getattr(err, "streak_hint", None) or ("The engine answers but cannot complete requests: see "
+                                                        "logs/train.log for its errors (a wrong device, a model it "
+                                                        "cannot run, ...)")
             self._stopped = RolloutsStopped(
                 f"{self._failed_streak} rollout groups in a row failed and none succeeded (the last: {err!r}); "
-                f"their prompts are back in the queue. The engine answers but cannot complete requests: "
-                f"see logs/train.log for its errors (a wrong device, a model it cannot run, ...)")
+                f"their prompts are back in the queue. {why}")
 
     async def _run_group(self, ticket: Ticket) -> None:
         try:

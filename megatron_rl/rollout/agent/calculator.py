@@ -3,9 +3,9 @@
 Each turn the model may call ``python`` (``<tool_call>{"name": "python", "arguments": {"code":
 "print(17 * 23)"}}</tool_call>``); the code runs in ``megatron_rl.rewards.sandbox`` and what it
 printed comes back as the tool's answer. A turn without a tool call and without a final
-``#### <number>`` gets a nudge, up to ``max_turns`` model turns. The reward is GSM8K's exact match
-of the last ``####`` answer. It is an ordinary OpenAI-client chat loop: the same code runs
-against any OpenAI-compatible server.
+``#### <number>`` gets a nudge, up to ``max_turns`` model turns (``rollout.agent_args.max_turns``).
+The reward is GSM8K's exact match of the last ``####`` answer. It is an ordinary OpenAI-client
+chat loop: the same code runs against any OpenAI-compatible server.
 
     rollout.workflow=calculator_agent   (or rollout.workflow=megatron_rl.rollout.agent.calculator:CalculatorAgent)
 """
@@ -30,7 +30,7 @@ def tokenizer_texts() -> List[str]:
     return [SYSTEM, json.dumps(TOOLS), NUDGE, CHATML_TEMPLATE] * 20
 
 
-async def run_python_tool(arguments: str) -> str:
+async def run_python_tool(arguments: str, wall_s: float = 5.0) -> str:
     """The tool's answer to one call: stdout, or the error, of the code in the sandbox."""
     from megatron_rl.rewards.sandbox import SandboxLimits, run_python
 
@@ -40,18 +40,26 @@ async def run_python_tool(arguments: str) -> str:
         return "error: arguments must be a JSON object {\"code\": \"...\"}"
     if not isinstance(code, str) or not code.strip():
         return "error: no code given"
-    result = await run_python(code, limits=SandboxLimits(wall_s=5.0))
+    result = await run_python(code, limits=SandboxLimits(wall_s=wall_s))
     if result.status != "ok":
         return f"error: {result.status} {result.stderr[-300:]}".strip()
     return result.stdout[-1000:] or "(nothing printed)"
 
 
 class CalculatorAgent:
-    """``async run(data, client) -> reward`` with the OpenAI client the trainer hands it."""
+    """``async run(data, client) -> reward`` with the OpenAI client the trainer hands it;
+    ``rollout.agent_args`` sets ``max_turns`` (model turns per run) and ``tool_wall_s`` (the
+    seconds one tool call may run)."""
 
-    max_turns = 3
     # Its tool runs model-written code: the trainer checks the code sandbox's isolation at start.
     uses_sandbox = True
+
+    def __init__(self, max_turns: int = 3, tool_wall_s: float = 5.0):
+        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+            raise ValueError(f"max_turns={max_turns!r} must be an integer of at least 1")
+        if isinstance(tool_wall_s, bool) or not isinstance(tool_wall_s, (int, float)) or not tool_wall_s > 0:
+            raise ValueError(f"tool_wall_s={tool_wall_s!r} must be a number of seconds above 0")
+        self.max_turns, self.tool_wall_s = max_turns, float(tool_wall_s)
 
     async def run(self, data: Dict[str, Any], client) -> float:
         from openai import BadRequestError
@@ -72,7 +80,8 @@ class CalculatorAgent:
             if message.tool_calls:
                 for call in message.tool_calls:
                     messages.append({"role": "tool", "tool_call_id": call.id,
-                                     "content": await run_python_tool(call.function.arguments)})
+                                     "content": await run_python_tool(call.function.arguments,
+                                                                                self.tool_wall_s)})
             elif "####" in answer:
                 break
             else:

@@ -2,7 +2,8 @@
 
 Agents talk to it with the standard ``openai`` client. Each agent run gets its own base URL,
 ``http://127.0.0.1:<port>/runs/<run id>/v1``, so every call is attributed to its run without
-anything in the request body. A call renders the messages (and ``tools``) with the tokenizer's
+anything in the request body; calls to the shared ``http://127.0.0.1:<port>/v1`` name their run
+by a header or by the run's API key (routing.py). A call renders the messages (and ``tools``) with the tokenizer's
 chat template, encodes them, generates on the engine under the run's sampling parameters, and
 records the exact prompt ids, completion ids, logprobs and per-token policy versions as a
 ``Turn``. The prompt ids of a call whose text extends an earlier call's prompt + completion reuse
@@ -10,7 +11,7 @@ that call's ids and encode only the new text, so a growing conversation stays on
 sequence (re-encoding the model's own answer could split it into different tokens).
 
 Only what agents need is served: ``POST .../chat/completions`` (not streamed) and
-``GET .../models``. The run's sampling parameters (``rollout.temperature`` etc.) govern every
+``GET .../models``; the model is ``policy`` (``default``, AReaL's name, is taken for it). The run's sampling parameters (``rollout.temperature`` etc.) govern every
 call, so the behaviour logprobs are the ones the learner corrects for; a request's ``max_tokens``
 (or ``max_completion_tokens``) can only lower the run's ``rollout.max_new_tokens``.
 
@@ -18,7 +19,9 @@ Every call is its own engine request, ``<run id>-t<k>`` with ``k`` counting the 
 the order they arrive, so calls made concurrently inside one run are aborted one by one, and
 ``abort_run`` reaches all of a run's calls in flight. Every refused request (malformed HTTP, a
 body that is not what the API allows, an unknown model) is answered with an HTTP 4xx status and
-OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``. HTTP is aiohttp's
+OpenAI's error body, ``{"error": {"message", "type", "param", "code"}}``, and
+``x-should-retry: false`` (the ``openai`` client would retry a 409 or 5xx, which fails again).
+HTTP is aiohttp's
 (``http.py``), on the trainer's event loop.
 """
 
@@ -30,16 +33,20 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from types import MappingProxyType
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...types import SamplingParams
 from ..engine import EngineError, RolloutEngine, whole_response
+from .routing import RUN_HEADER, run_of_key
 from .tool_calls import messages_for_template, parse_tool_calls
 from .trajectories import Turn
 
 logger = logging.getLogger(__name__)
 
 MODEL_NAME = "policy"
+# Other names a request may give the served model: AReaL's agents ask for "default".
+MODEL_ALIASES = ("default",)
 # A request body that stops arriving for this long is answered 400 (truncated).
 BODY_TIMEOUT_S = 60.0
 
@@ -72,6 +79,11 @@ class AgentRun:
     in_flight: Set[str] = field(default_factory=set)
     # The run is over (its agent returned or raised): calls still finishing are not recorded.
     closed: bool = False
+    # Requests that reached this run (answered or refused): 0 means the agent's client never
+    # reached the server. Tool calls the model made, and calls refused for the context length.
+    requests: int = 0
+    tool_calls: int = 0
+    context_overflows: int = 0
 
 
 def _kind(value: Any) -> str:
@@ -146,6 +158,8 @@ class ChatServer:
         self.port: Optional[int] = None
         self._runner = None
         self._aborts: Set[asyncio.Task] = set()
+        # Requests that reached any run: 0 while no agent's client has reached the server.
+        self.requests = 0
 
     async def start(self) -> None:
         if self._runner is None:
@@ -198,11 +212,11 @@ class ChatServer:
         if not isinstance(body, dict):
             raise RequestError(400, f"the body must be a JSON object (a chat completion request), got {_kind(body)}")
         model = body.get("model")
-        if model not in self.models:
+        if model not in self.models and model not in MODEL_ALIASES:
             served = ", ".join(repr(m) for m in self.models)
             said = "no 'model'" if model is None else f"model {json.dumps(model)}"
             raise RequestError(400, f"{said} is not served here; the served model is {served} (what GET /v1/models "
-                               "lists)", param="model", code="model_not_found")
+                               f"lists; {' or '.join(repr(a) for a in MODEL_ALIASES)} names it too)", param="model", code="model_not_found")
         messages = _check_messages(body.get("messages"))
         stream = body.get("stream")
         if stream not in (None, False):
@@ -229,6 +243,7 @@ class ChatServer:
         room = self.max_context - len(prompt_ids)
         max_new = min(limit or run.params.max_new_tokens, run.params.max_new_tokens, room)
         if max_new <= 0:
+            run.context_overflows += 1
             raise RequestError(400, f"the conversation is {len(prompt_ids)} tokens; the model's context is "
                                f"{self.max_context} (model.max_position_embeddings)", param="messages",
                                code="context_length_exceeded")
@@ -263,6 +278,7 @@ class ChatServer:
         message: Dict[str, Any] = {"role": "assistant", "content": content}
         finish = "length" if out.finish_reason == "length" else "stop"
         if tool_calls:
+            run.tool_calls += len(tool_calls)
             message["tool_calls"] = tool_calls
             finish = "tool_calls" if finish == "stop" else finish
         return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
@@ -277,16 +293,39 @@ class ChatServer:
         task.add_done_callback(lambda t: (self._aborts.discard(t), t.cancelled() or t.exception()))
 
     # ------------------------------------------------------------------ HTTP
-    async def route(self, method: str, path: str, body: bytes) -> Dict[str, Any]:
-        """The answer to one request (RequestError for every refusal)."""
+    @property
+    def shared_url(self) -> str:
+        """The base URL without a run in it (calls name their run by header or key)."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    def find_run(self, path: str, headers: Mapping[str, str]) -> Tuple[AgentRun, str]:
+        """(run, endpoint) of a request: the run in its path, else in its header, else its key."""
         parts = path.split("?", 1)[0].strip("/").split("/")
-        if len(parts) < 4 or parts[0] != "runs" or parts[2] != "v1":
+        if len(parts) >= 4 and parts[0] == "runs" and parts[2] == "v1":
+            run_id, endpoint = parts[1], "/".join(parts[3:])
+        elif len(parts) >= 2 and parts[0] == "v1":
+            endpoint = "/".join(parts[1:])
+            auth = headers.get("Authorization", "")
+            run_id = headers.get(RUN_HEADER) or run_of_key(auth[len("Bearer "):].strip() if auth.startswith(
+                "Bearer ") else "")
+            if not run_id:
+                raise RequestError(404, f"{path} names no agent run: call from inside a run, with the client, base_url "
+                                   "or api_key the trainer hands it, or a client built inside the run (AsyncOpenAI() "
+                                   "reads OPENAI_BASE_URL and OPENAI_API_KEY, which point here)", code="no_run")
+        else:
             raise RequestError(404, f"no route {path}; use the base URL the trainer gave this run", code="not_found")
-        run = self.runs.get(parts[1])
+        run = self.runs.get(run_id)
         if run is None:
-            raise RequestError(404, f"run {parts[1]!r} is not open (it finished or was never started)",
+            raise RequestError(404, f"run {run_id!r} is not open (it finished or was never started)",
                                code="not_found")
-        endpoint = "/".join(parts[3:])
+        run.requests += 1
+        self.requests += 1
+        return run, endpoint
+
+    async def route(self, method: str, path: str, body: bytes,
+                    headers: Mapping[str, str] = MappingProxyType({})) -> Dict[str, Any]:
+        """The answer to one request (RequestError for every refusal)."""
+        run, endpoint = self.find_run(path, headers)
         if endpoint == "models":
             if method != "GET":
                 raise RequestError(405, "use GET for /v1/models", code="method_not_allowed")
@@ -322,7 +361,7 @@ class ChatServer:
                     from None
             except ValueError as err:
                 raise RequestError(400, str(err), code="malformed_request") from None
-            answer, status = await self.route(request.method, request.raw_path, body), 200
+            answer, status = await self.route(request.method, request.raw_path, body, request.headers), 200
         except RequestError as err:
             answer, status = err.body(), err.status
             if status >= 500:
@@ -338,6 +377,8 @@ class ChatServer:
             answer, status = {"error": {"message": repr(err), "type": "server_error", "param": None,
                                         "code": None}}, 500
         response = json_response(status, answer)
+        if status >= 400:  # a retry would be refused again (or, aborted, is the trainer's to make)
+            response.headers["x-should-retry"] = "false"
         if unread:
             response.force_close()
         return response

@@ -1,33 +1,31 @@
 """The agent workflow: G runs of a user's agent per prompt, each against its own OpenAI-compatible
 base URL on the chat server, turned into token-exact trajectories with the run's reward.
 
-An agent is either
-
-* a class with ``async def run(self, data, client) -> float`` (constructed once, with no
-  arguments), handed an ``openai.AsyncOpenAI`` client whose ``base_url`` is the run's, or
-* a function ``async def run_agent_return_reward(data) -> float`` that makes its own client
-  with ``megatron_rl.rollout.agent.openai_client()`` (or reads ``base_url()``) inside the run.
-
-``data`` is a dict: ``uid``, ``question`` (the dataset's prompt field), ``prompt`` (after
-``data.template``) and ``answer`` (the target). Each model call is its own engine request,
-tagged ``<group tag>-<i>-t<k>`` (the run's k-th call), so the trainer's abort reaches every call
-in flight, concurrent ones included; a run with an aborted call fails its group, whose prompt
-goes back to the queue like a single-turn group's.
+What an agent may look like and what a run is handed: spec.py. ``data`` is a dict: every column
+of the prompt's dataset row, then ``uid``, ``question`` (the dataset's prompt field), ``prompt``
+(after ``data.template``) and ``answer`` (the target), which no column overrides, and
+``messages`` (the question as one user message, unless the row has its own), which AReaL's
+agents read. Each model call is its own engine request, tagged ``<group tag>-<i>-t<k>`` (the
+run's k-th call), so the trainer's abort reaches every call in flight, concurrent ones included;
+a run with an aborted call fails its group, whose prompt goes back to the queue like a
+single-turn group's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import inspect
+import copy
+import importlib
 import logging
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from ...errors import one_line
 from ...types import SamplingParams, Trajectory
 from ..engine import RolloutEngine
+from . import routing
 from .server import AgentRun, ChatServer
+from .spec import AgentError, AgentSpec
 from .trajectories import run_trajectories
 
 logger = logging.getLogger(__name__)
@@ -35,20 +33,28 @@ logger = logging.getLogger(__name__)
 for _name in ("httpx", "httpx2"):
     logging.getLogger(_name).setLevel(logging.WARNING)
 
-_BASE_URL: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("megatron_rl_agent_base_url", default=None)
+# How a run's client reaches the server, for the message of an agent that never does.
+REACH = ("use the client, base_url or api_key handed to the run, megatron_rl.rollout.agent.openai_client(), or an "
+         "AsyncOpenAI() built inside the run without base_url and api_key (OPENAI_BASE_URL and OPENAI_API_KEY point "
+         "at the chat server while agents run); docs/agents.md")
 
 
-class AgentError(ValueError):
-    """The user's agent broke its contract (returned no number, made no model call)."""
+class AgentRunFailed(RuntimeError):
+    """One run failed and its group goes back to the queue; ``streak_hint`` says why for the
+    message of a run stopped by many such failures in a row."""
+
+    def __init__(self, message: str, streak_hint: Optional[str] = None):
+        super().__init__(message)
+        self.streak_hint = streak_hint
 
 
 def base_url() -> str:
     """The OpenAI base URL of the agent run this code runs in."""
-    url = _BASE_URL.get()
-    if url is None:
+    run = routing.current()
+    if run is None:
         raise RuntimeError("megatron_rl.rollout.agent.base_url() is only available inside an agent run "
                            "(rollout.workflow=<your agent>)")
-    return url
+    return run.base_url
 
 
 def openai_client(**kwargs: Any):
@@ -57,48 +63,45 @@ def openai_client(**kwargs: Any):
     from openai import AsyncOpenAI
 
     kwargs.setdefault("max_retries", 0)
-    kwargs.setdefault("api_key", "megatron_rl")
+    kwargs.setdefault("api_key", routing.run_key(routing.current().run_id) if routing.current() else "megatron_rl")
     return AsyncOpenAI(base_url=base_url(), **kwargs)
 
 
-@dataclass
-class AgentSpec:
-    """A loaded agent: how to call one run, and its name for messages."""
-
-    name: str
-    call: Callable[[Dict[str, Any]], Any]  # data -> awaitable reward (inside a run's context)
-    wants_client: bool
-
-
-def agent_spec(obj: Any, name: str) -> AgentSpec:
-    """The AgentSpec of an agent class or function; AgentError with one line when ``obj`` is
-    neither (``name`` is the config value, e.g. ``my_pkg.agents:MyAgent``)."""
-    where = f"rollout.workflow={name!r}"
-    if inspect.isclass(obj):
-        run = getattr(obj, "run", None)
-        if run is None or not inspect.iscoroutinefunction(run):
-            raise AgentError(f"{where}: class {obj.__name__} needs a method `async def run(self, data, client) "
-                             "-> float`; add it")
-        _check_params(run, ("self", "data", "client"), where, f"{obj.__name__}.run")
-        try:
-            agent = obj()
-        except TypeError as err:
-            raise AgentError(f"{where}: {obj.__name__}() failed ({err}); an agent class is constructed with "
-                             "no arguments") from None
-        return AgentSpec(name, lambda data, client: agent.run(data, client), wants_client=True)
-    if inspect.iscoroutinefunction(obj):
-        _check_params(obj, ("data",), where, obj.__name__)
-        return AgentSpec(name, lambda data, client: obj(data), wants_client=False)
-    raise AgentError(f"{where} is a {type(obj).__name__}; point it at an agent class with `async def run(self, "
-                     "data, client)` or at a function `async def run_agent_return_reward(data) -> float`")
-
-
-def _check_params(fn: Callable, params: Sequence[str], where: str, shown: str) -> None:
+def http_client():
+    """A fresh async HTTP client for ``AsyncOpenAI(http_client=...)``: the ``httpx2`` flavour
+    that ``openai`` sends with (``httpx`` where that is missing), without a timeout (a call
+    waits for the engine; the trainer aborts what must stop)."""
     try:
-        inspect.signature(fn).bind(*params)
-    except TypeError:
-        raise AgentError(f"{where}: {shown}{inspect.signature(fn)} cannot be called as "
-                         f"{shown}({', '.join(params)}); give it exactly these parameters") from None
+        module = importlib.import_module("httpx2")
+    except ImportError:
+        module = importlib.import_module("httpx")
+    return module.AsyncClient(timeout=None)
+
+
+def run_data(prompt) -> Dict[str, Any]:
+    """What an agent run is handed as ``data`` (a copy per run: an agent may change it)."""
+    data = copy.deepcopy(dict(getattr(prompt, "row", None) or {}))
+    question = prompt.question or prompt.text
+    data.update(uid=prompt.uid, question=question, prompt=prompt.text, answer=prompt.target)
+    data.setdefault("messages", [{"role": "user", "content": question}])
+    return data
+
+
+def _is_connection_failure(err: BaseException) -> bool:
+    """An HTTP client's failure (openai's errors, a refused or failed connection), not the
+    agent's own (a KeyError, a missing file)."""
+    if isinstance(err, ConnectionError):
+        return True
+    for module_name, name in (("openai", "OpenAIError"), ("httpx2", "TransportError"), ("httpx", "TransportError"),
+                              ("aiohttp", "ClientConnectionError")):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        kind = getattr(module, name, None)
+        if kind is not None and isinstance(err, kind):
+            return True
+    return False
 
 
 class AgentWorkflow:
@@ -115,19 +118,34 @@ class AgentWorkflow:
         self.spec, self.tokenizer, self.max_context, self.turn_discount = spec, tokenizer, max_context, turn_discount
         self._server: Optional[ChatServer] = None
         self._starting: Optional[asyncio.Lock] = None
+        self._restore_env: Optional[Callable[[], None]] = None
 
     async def server(self, engine: RolloutEngine) -> ChatServer:
-        """The chat server over ``engine``, started by the first run that needs it."""
+        """The chat server over ``engine``, started by the first run that needs it; while it
+        runs, clients built from the environment reach it (routing.py)."""
         if self._starting is None:
             self._starting = asyncio.Lock()
         async with self._starting:
             if self._server is None or self._server.engine is not engine:
-                if self._server is not None:
-                    await self._server.stop()
+                await self._stop_server()
                 server = ChatServer(engine, self.tokenizer, self.max_context)
                 await server.start()
+                routing.install_run_header()
+                self._restore_env = routing.point_environment(server.shared_url)
                 self._server = server
         return self._server
+
+    async def _stop_server(self) -> None:
+        if self._restore_env is not None:
+            self._restore_env()
+            self._restore_env = None
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop()
+
+    async def close(self) -> None:
+        """Stop the chat server and give the environment back its OPENAI_* variables."""
+        await self._stop_server()
 
     async def __call__(self, engine: RolloutEngine, prompt, params: SamplingParams,
                        request_ids: Sequence[str]) -> List[Trajectory]:
@@ -143,34 +161,68 @@ class AgentWorkflow:
     async def run_once(self, server: ChatServer, prompt, params: SamplingParams, index: int,
                        request_id: str) -> List[Trajectory]:
         run = server.open_run(request_id, params)
-        data = {"uid": prompt.uid, "question": prompt.question or prompt.text, "prompt": prompt.text,
-                "answer": prompt.target}
-        token = _BASE_URL.set(server.base_url(request_id))
-        client = openai_client() if self.spec.wants_client else None
+        address = routing.RunAddress(server.host, server.port, request_id)
+        # This task's (and its children's) calls are this run's, whatever client makes them.
+        token = routing.enter(address)
+        wants = self.spec.wants
+        handed: Dict[str, Any] = {"base_url": address.base_url, "api_key": address.api_key}
         try:
-            reward = await self.spec.call(data, client)
-        except Exception:
+            if "http_client" in wants:
+                handed["http_client"] = http_client()
+            if "client" in wants:
+                handed["client"] = openai_client()
+            reward = await self.spec.call(run_data(prompt), handed)
+        except Exception as err:
             if run.aborted:  # the agent saw its aborted call fail: the run is void, not broken
                 reward = 0.0
+            elif run.requests == 0:
+                raise self._unreached(err, server, prompt) from err
             else:
                 raise
         finally:
-            _BASE_URL.reset(token)
+            routing.leave(token)
             server.close_run(request_id)
             # Calls the agent left running (it returned, raised or was cancelled without awaiting
             # them) stop generating; they are not recorded.
             await server.abort_run(run, void=False)
-            if client is not None:
-                await client.close()
+            for name in ("client", "http_client"):
+                if name in handed:
+                    await (handed[name].close() if name == "client" else handed[name].aclose())
         return self.trajectories(run, prompt, index, reward)
+
+    def _unreached(self, err: Exception, server: ChatServer, prompt) -> Exception:
+        """The error of a run that raised before any of its calls reached the chat server: a
+        stop when it is a client's failure and no run has reached the server yet (its client
+        is pointed elsewhere, and every run's is), else a failed group saying so."""
+        what = f"{type(err).__name__}: {one_line(err)}"[:500]
+        where = f"rollout.workflow={self.spec.name!r}"
+        if server.requests == 0 and _is_connection_failure(err):
+            return AgentError(f"{where}: the agent's model calls never reached the chat server ({what}); {REACH}")
+        return AgentRunFailed(f"{where}: a run of {prompt.uid} raised {what} before any of its calls reached the chat "
+                              "server", streak_hint=f"the agent's runs failed before any of their calls reached the "
+                              f"chat server: {REACH}; the agent's errors are in logs/train.log")
 
     def trajectories(self, run: AgentRun, prompt, index: int, reward: Any) -> List[Trajectory]:
         if run.aborted:
             return [Trajectory(prompt.uid, index, list(prompt.prompt_ids), [], [], [], "abort")]
+        where = f"rollout.workflow={self.spec.name!r}"
+        if isinstance(reward, dict):
+            raise AgentError(f"{where}: the agent returned a dict ({len(reward)} entries; rewards per completion, as "
+                             "AReaL allows); return the run's reward as one finite float")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise AgentError(f"rollout.workflow={self.spec.name!r}: the agent returned {reward!r} "
-                             f"({type(reward).__name__}); it must return the run's reward as a finite float")
-        if not run.turns:  # e.g. its first prompt was longer than the context: the group is retried
-            raise RuntimeError(f"rollout.workflow={self.spec.name!r}: a run of {prompt.uid} made no model call "
-                               "that succeeded, so there is nothing to train on")
-        return run_trajectories(run.turns, prompt.uid, index, float(reward), self.turn_discount)
+            raise AgentError(f"{where}: the agent returned {reward!r} ({type(reward).__name__}); it must return the "
+                             "run's reward as a finite float")
+        if not run.turns:
+            if run.requests == 0:  # it returned without ever reaching the server
+                raise AgentRunFailed(f"{where}: a run of {prompt.uid} returned {reward!r} but none of its calls reached "
+                                     "the chat server, so there is nothing to train on",
+                                     streak_hint=f"the agent's runs made no call that reached the chat server: {REACH}")
+            # e.g. its first prompt was longer than the context: the group is retried
+            raise RuntimeError(f"{where}: a run of {prompt.uid} made no model call that succeeded, so there is "
+                               "nothing to train on")
+        trajectories = run_trajectories(run.turns, prompt.uid, index, float(reward), self.turn_discount)
+        counts = {"turns": len(run.turns), "tool_calls": run.tool_calls, "context_overflows": run.context_overflows,
+                  "trajectories": len(trajectories)}
+        for traj in trajectories:
+            traj.agent_run = counts
+        return trajectories
