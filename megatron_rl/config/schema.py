@@ -356,6 +356,18 @@ class CorrectionConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """On-policy distillation (algo.name=opd): a frozen teacher scores the tokens the student
+    sampled, on the learner ranks with the learner's parallel layout."""
+    # The teacher's checkpoint: a Hugging Face directory or a Megatron checkpoint of this run's
+    # kind; its architecture is its own, its vocabulary must be the student's (same tokenizer).
+    path: Optional[str] = None
+    # Weight of the reward's group advantage added to the per-token distillation advantage
+    # log π_teacher - log π_student (0: distillation alone).
+    reward_weight: float = 0.0
+
+
+@dataclass
 class CriticConfig:
     """The value model of algo.name=gae: the policy's architecture and parallel layout with a
     scalar head, trained with the learner's epochs, mini-batches and lr schedule shape."""
@@ -547,6 +559,7 @@ class RootConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)

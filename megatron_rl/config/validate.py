@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Tuple, Union
 
 from ..errors import UserError
@@ -162,6 +163,22 @@ def _routing_replay(cfg: RootConfig) -> None:
                           "routing to replay; set rollout.record_routing=true, or algo.routing_replay=none")
 
 
+def _teacher(cfg: RootConfig) -> None:
+    """A teacher exactly when the learner recipe distils from one."""
+    from ..learner.recipes import recipe_for
+
+    wants = recipe_for(cfg.algo.name).teacher
+    path = cfg.teacher.path
+    if wants and not path:
+        raise ConfigError(f"algo.name={cfg.algo.name} distils from a teacher: set teacher.path=<a Hugging Face or "
+                          "Megatron checkpoint with the student's tokenizer>")
+    if path and not wants:
+        raise ConfigError(f"teacher.path={path!r} is only read by on-policy distillation: set algo.name=opd, or "
+                          "drop teacher.path")
+    if path and not Path(path).is_dir():
+        raise ConfigError(f"teacher.path={path!r} is not a directory (a Hugging Face or Megatron checkpoint)")
+
+
 def _correction(cfg: RootConfig) -> None:
     """Rollout-correction values that cannot work together."""
     c = cfg.correction
@@ -311,6 +328,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         raise ConfigError(f"reward.overlong_buffer={cfg.reward.overlong_buffer} exceeds "
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     _correction(cfg)
+    _teacher(cfg)
     if cfg.algo.kl_in_reward and cfg.algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:

@@ -58,8 +58,31 @@ def forward_micro_batch(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     return shared.gather(logits)
 
 
+def build_teacher(cfg: RootConfig, vocab_size: int) -> torch.nn.Module:
+    """The frozen teacher of ``teacher.path`` with the learner's parallel layout and dtype; its
+    vocabulary must be the student's (ConfigError otherwise)."""
+    from ..config.schema import ModelConfig
+    from ..models.convert import pretrained_model_config
+    from ..models.pretrained import resolve_model_config
+
+    path = cfg.teacher.path
+    try:
+        model_cfg = resolve_model_config(ModelConfig(path=path, dtype=cfg.model.dtype))
+        _, teacher_vocab = pretrained_model_config(path, cfg.model.dtype)
+    except ValueError as err:
+        raise ConfigError(str(err).replace("model.path", "teacher.path")) from None
+    if teacher_vocab != vocab_size:
+        raise ConfigError(f"teacher.path={path!r} has a vocabulary of {teacher_vocab} ids and the student "
+                          f"{vocab_size}: distillation compares the two token by token, so they need one tokenizer "
+                          "(a teacher of the student's family, or model.path at a checkpoint with the teacher's)")
+    lc = cfg.learner
+    teacher = build_gpt_model(model_cfg, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
+    load_pretrained(teacher, model_cfg, path)
+    return teacher.requires_grad_(False).eval()
+
+
 class Learner:
-    """Policy model, optional frozen reference, Megatron optimizer."""
+    """Policy model, optional frozen reference and teacher, Megatron optimizer."""
 
     def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int = 0):
         self.cfg = cfg
@@ -86,6 +109,8 @@ class Learner:
             self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
+        # On-policy distillation: the frozen teacher, its own architecture, the learner's layout.
+        self.teacher: Optional[torch.nn.Module] = build_teacher(cfg, vocab_size) if cfg.teacher.path else None
         self.optimizer_steps = 0
         self.skipped_in_a_row = 0
         self.correction = Correction(**dataclasses.asdict(cfg.correction))
@@ -124,8 +149,15 @@ class Learner:
     # ---------------------------------------------------------------- forward only
     @torch.no_grad()
     def compute_logprobs(self, trajs: Sequence[Trajectory], temperature: float,
-                         reference: bool = False) -> List[List[float]]:
-        """Per-response-token logprobs of each trajectory under the current (or reference) weights."""
+                         reference: bool = False, teacher: bool = False) -> List[List[float]]:
+        """Per-response-token logprobs of each trajectory under the current weights, the
+        reference's or the teacher's."""
+        if teacher:
+            if self.teacher is None:
+                raise RuntimeError("no teacher: set teacher.path to build one")
+            # Another network than the one that sampled: it routes by its own routers.
+            return per_token_outputs(self.teacher, trajs, self.cfg.learner, self.pad_id,
+                                     partial(self._forward_step, temperature=temperature))
         model = self.ref_model if reference else self.model
         if model is None:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")

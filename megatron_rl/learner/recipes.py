@@ -38,6 +38,8 @@ class LearnerRecipe:
 
     # Whether the recipe trains a value model next to the policy (learner/critic.py).
     critic = False
+    # Whether the recipe needs a frozen teacher (teacher.path).
+    teacher = False
 
     def prepare(self, worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
         """The batch with every field the update needs, and metrics of this preparation."""
@@ -66,8 +68,38 @@ class CriticRecipe(LearnerRecipe):
         return worker.critic.train_step(batch, lr / worker.cfg.learner.lr)
 
 
+class DistillationRecipe(LearnerRecipe):
+    """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the student
+    samples, the frozen teacher (``teacher.path``) scores the student's tokens, and each token's
+    advantage is log π_teacher(y_t) - log π_student(y_t), the negative per-token reverse KL, so
+    the policy-gradient step lowers KL(π_student ‖ π_teacher) on the states the student visits.
+    ``teacher.reward_weight`` > 0 adds that weight times the reward's group advantage."""
+
+    teacher = True
+
+    def prepare(self, worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
+        batch, metrics = trained_rewards(worker, batch)
+        learner, temperature = worker.learner, worker.cfg.rollout.temperature
+        if not batch.has("proximal_logprobs"):
+            batch = batch.with_fields(proximal_logprobs=learner.compute_logprobs(batch, temperature))
+        student = batch.get("proximal_logprobs")
+        teacher = learner.compute_logprobs(batch, temperature, teacher=True)
+        advantages = [[t - s for t, s in zip(t_row, s_row)] for t_row, s_row in zip(teacher, student)]
+        weight = worker.cfg.teacher.reward_weight
+        if weight:
+            grouped = with_group_advantages(worker, batch).get("advantages")
+            advantages = [[a + weight * g for a, g in zip(row, g_row)] for row, g_row in zip(advantages, grouped)]
+        masks = [t.loss_mask for t in batch]
+        tokens = sum(sum(m) for m in masks)
+        reverse_kl = sum((s - t) * m for s_row, t_row, mask in zip(student, teacher, masks)
+                         for s, t, m in zip(s_row, t_row, mask))
+        metrics["distill/reverse_kl"] = reverse_kl / tokens if tokens else 0.0
+        return batch.with_fields(advantages=advantages), metrics
+
+
 LEARNER_RECIPES: Registry[LearnerRecipe] = Registry("learner recipe")
 LEARNER_RECIPES.register("gae")(CriticRecipe())
+LEARNER_RECIPES.register("opd")(DistillationRecipe())
 
 
 def recipe_for(algo_name: str) -> LearnerRecipe:
