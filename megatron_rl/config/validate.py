@@ -40,7 +40,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "algo.loss_agg_mode": LOSS_AGG_MODES,
     "algo.routing_replay": ("auto", "rollout", "none"),
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
-    "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
+    "data.name": ("reverse_digits", "sort_digits", "file", "gsm8k", "math500", "jsonl"),
     "data.template": ("plain", "qa", "math", "chat"),
     "data.tokenizer": ("char", "bpe", "model"),
     "reward.name": REWARDS.names,
@@ -156,6 +156,25 @@ def _routing_replay(cfg: RootConfig) -> None:
     if not cfg.rollout.record_routing:
         raise ConfigError("algo.routing_replay=rollout with rollout.record_routing=false: the engine records no "
                           "routing to replay; set rollout.record_routing=true, or algo.routing_replay=none")
+
+
+def _data_sources(d: Any) -> None:
+    """data.path / data.sources fit data.name; each source entry is {path, weight, ...}."""
+    from ..data.sources import FILE_DATASETS, source_specs
+    from ..errors import UserError
+
+    if d.name not in FILE_DATASETS:
+        if d.path or d.sources:
+            raise ConfigError(f"data.{'path' if d.path else 'sources'} is set, but data.name={d.name} generates its "
+                              "prompts; set data.name=file to train on that dataset")
+        return
+    if not d.path and not d.sources:
+        raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl "
+                          "(or data.sources=[{path: a.parquet, weight: 0.7}, {path: b.jsonl, weight: 0.3}])")
+    try:
+        source_specs(d)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
 
 
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
@@ -279,8 +298,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     if cfg.learner.share_prompts and (reasons := unsupported(m, cfg.learner)):
         raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
                           + ": set learner.share_prompts=false")
-    if d.name in ("gsm8k", "math500", "jsonl") and not d.path:
-        raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl")
+    _data_sources(d)
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens
     if needed > m.max_position_embeddings:
         raise ConfigError(
