@@ -143,8 +143,9 @@ class AgentWorkflow:
     async def run_once(self, server: ChatServer, prompt, params: SamplingParams, index: int,
                        request_id: str) -> List[Trajectory]:
         run = server.open_run(request_id, params)
-        data = {"uid": prompt.uid, "question": prompt.question or prompt.text, "prompt": prompt.text,
-                "answer": prompt.target}
+        # The dataset row's fields, then ours (a row's own "prompt" or "answer" is in prompt.row).
+        data = {**prompt.row, "uid": prompt.uid, "question": prompt.question or prompt.text,
+                "prompt": prompt.text, "answer": prompt.target}
         token = _BASE_URL.set(server.base_url(request_id))
         client = openai_client() if self.spec.wants_client else None
         try:
