@@ -9,7 +9,7 @@ import torch
 
 from megatron_rl.learner.critic import Critic, assign_gae_advantages
 
-from multiprocess import backend, run_ranks
+from rank_harness import backend, run_ranks
 from parallel_cases import VOCAB, batch, critic_case, tiny_cfg
 
 TOL = 1e-5
