@@ -143,11 +143,12 @@ def test_sources_mix_by_weight_deterministically_and_resume_where_they_were(tmp_
 
 @pytest.mark.parametrize("overrides, message", [
     (["data.path=x.jsonl", "data.sources=[{path: y.jsonl}]"], "data.path and data.sources are both set"),
-    (["data.sources=[{path: y.jsonl, weight: -1}]"], "data.sources[0].weight=-1 must be a number > 0"),
-    (["data.sources=[{path: y.jsonl, wieght: 2}]"], "data.sources[0] has unknown key 'wieght'; a source takes path, "
-                                                    "weight"),
-    (["data.name=sort_digits", "data.path=x.parquet"], "data.path is set, but data.name=sort_digits generates its "
-                                                       "prompts; set data.name=file"),
+    (["data.sources=[{path: y.jsonl, weight: -1}]"],
+     "data.sources[0].weight=-1 must be a number > 0 (weights are relative"),
+    (["data.sources=[{path: y.jsonl, wieght: 2}]"],
+     "data.sources[0] has unknown key 'wieght'; a source takes path, weight"),
+    (["data.name=sort_digits", "data.path=x.parquet"],
+     "data.path is set, but data.name=sort_digits generates its prompts; set data.name=file"),
 ])
 def test_source_config_errors_are_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError) as err:
@@ -170,8 +171,8 @@ def _prompts(path, tokenizer=None, **kwargs):
     ([{"question": "1=", "answer": 1}, {"question": 5, "answer": 1}],
      "d.jsonl:2: field 'question' must be a non-empty string or a list of chat messages ({role, content}), got 5"),
     ([{"question": [{"role": "user", "text": "hi"}], "answer": 1}],
-     "d.jsonl:1: field 'question': message 0 is {\"role\": \"user\", \"text\": \"hi\"}, not {\"role\": <text>, "
-     "\"content\": <text>}; fix that row"),
+     "d.jsonl:1: field 'question': message 0 is {\"role\": \"user\", \"text\": \"hi\"}, "
+     'not {"role": <text>, "content": <text>}; fix that row'),
     ([{"question": "1=", "answer": [1, ""]}], "d.jsonl:1: field 'answer': item 1 of the answer list is empty"),
     ([{"question": [{"role": "user", "content": "hi?"}], "answer": 1}],
      "d.jsonl:1: the prompt is a list of chat messages, rendered through the tokenizer's chat template, and this "

@@ -143,7 +143,7 @@ class AgentWorkflow:
     async def run_once(self, server: ChatServer, prompt, params: SamplingParams, index: int,
                        request_id: str) -> List[Trajectory]:
         run = server.open_run(request_id, params)
-        # The dataset row's fields, then ours (a row's own "prompt" or "answer" is in prompt.row).
+        # The dataset row's fields, with ours (the rendered prompt, the target) set over those of the same name.
         data = {**prompt.row, "uid": prompt.uid, "question": prompt.question or prompt.text,
                 "prompt": prompt.text, "answer": prompt.target}
         token = _BASE_URL.set(server.base_url(request_id))
