@@ -148,9 +148,11 @@ class UserReward:
         params = _parameters(fn)
         try:
             if kind == "verl":
+                extra_info = item.row.get("extra_info")
                 args = {"data_source": item.row.get("data_source"), "solution_str": item.completion,
                         "ground_truth": item.target if item.ground_truth is None else item.ground_truth,
-                        "extra_info": dict(item.row.get("extra_info") or {})}
+                        # A copy: a reward that edits it must not change the next sample's.
+                        "extra_info": dict(extra_info) if isinstance(extra_info, dict) else extra_info or {}}
                 if params is not None and "extra_info" not in params and not any(
                         p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
                     del args["extra_info"]
