@@ -92,7 +92,7 @@ def build_eval_sets(cfg, tokenizer, fallback_to_train_data: bool = False) -> Lis
     the ``data`` set reads ``data.path`` when ``data.eval_path`` is unset (the CLI scores whatever
     file it is given; validation during training needs a held-out one)."""
     from .data.build import SYNTHETIC_TASKS, wraps_in_chat
-    from .data.datasets import DatasetError, DigitTask, JsonlPrompts, prompt_key
+    from .data.datasets import PROMPT_KEYS, DatasetError, DigitTask, JsonlPrompts, prompt_key
     from .rewards import REWARDS
     from .rewards.user import build_reward
 
@@ -111,8 +111,10 @@ def build_eval_sets(cfg, tokenizer, fallback_to_train_data: bool = False) -> Lis
                 if path is None:
                     raise DatasetError("eval.datasets=[data] needs data.eval_path=<jsonl> (a held-out set in "
                                        f"data.name={d.name}'s format)")
-                prompts = JsonlPrompts(path, tokenizer, prompt_key(d.name, d.prompt_key), d.answer_key, d.template,
+                prompts = JsonlPrompts(path, tokenizer, d.prompt_key, d.answer_key, d.template,
                                        d.max_prompt_tokens, cfg.trainer.seed, shuffle=False, gsm8k=d.name == "gsm8k",
+                                       system_key=d.system_key, system_prompt=d.system_prompt, split=d.split,
+                                       default_prompt_key=PROMPT_KEYS.get(d.name, "question"),
                                        chat=wraps_in_chat(cfg, tokenizer)).prompts
         else:
             spec = BUILTIN_SETS[name]

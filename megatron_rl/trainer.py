@@ -67,6 +67,16 @@ class TrainingStopped(RolloutsStopped):
     the run stops like one whose rollouts cannot go on, with one line and no checkpoint."""
 
 
+def extra_reward_metrics(flat: Sequence[Trajectory]) -> Dict[str, float]:
+    """``reward/extra/<key>``: the mean of each number the reward's dicts returned besides the
+    reward, over the trajectories whose reward returned it."""
+    values: Dict[str, List[float]] = {}
+    for traj in flat:
+        for key, value in traj.reward_info.items():
+            values.setdefault(key, []).append(value)
+    return {f"reward/extra/{key}": float(np.mean(v)) for key, v in sorted(values.items())}
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -318,7 +328,7 @@ class Trainer:
         return max(abs(a - b) for t, row in zip(trajs, ours) for a, b in zip(t.logprobs, row))
 
     async def score(self, prompts: Sequence[Prompt], groups: List[List[Trajectory]]) -> None:
-        await score_groups(self.rewards, self.tokenizer.decode_response, [p.target for p in prompts], groups,
+        await score_groups(self.rewards, self.tokenizer.decode_response, prompts, groups,
                            self.cfg.reward, self.cfg.rollout.max_new_tokens)
 
     def log_samples(self, step: int, prompts: Sequence[Prompt], groups: List[List[Trajectory]], n: int = 4) -> None:
@@ -363,6 +373,7 @@ class Trainer:
             if staleness.size else [],
             "policy/version": float(train_version + 1),
             **agent_metrics(groups),
+            **extra_reward_metrics(flat),
         }
 
     def engine_metrics(self) -> Dict[str, float]:

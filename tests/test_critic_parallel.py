@@ -12,7 +12,7 @@ from megatron_rl.learner.critic import Critic
 
 from batches import gae_batch
 
-from multiprocess import backend, run_ranks
+from rank_harness import backend, run_ranks
 from parallel_cases import VOCAB, batch, critic_case, tiny_cfg
 
 TOL = 1e-5

@@ -6,7 +6,7 @@ import torch
 
 from megatron_rl.config.schema import ModelConfig
 
-from multiprocess import run_ranks
+from rank_harness import run_ranks
 
 TOL = 1e-6
 VOCAB = 64

@@ -1,7 +1,7 @@
 """A sharded learner equals a single-process one with the same weights: logprobs, one training
 step's loss and the updated weights, at TP=2, PP=2, TP=2xPP=2 and DP=2 (DistributedOptimizer), and
 at TP=2 with each prompt trained once (learner.share_prompts), and an MoE model at EP=2 and PP=2
-replaying recorded routing (algo.routing_replay), each run on real gloo ranks (or on GPUs over NCCL: MEGATRON_RL_TEST_BACKEND=nccl, see multiprocess.py)."""
+replaying recorded routing (algo.routing_replay), each run on real gloo ranks (or on GPUs over NCCL: MEGATRON_RL_TEST_BACKEND=nccl, see rank_harness.py)."""
 
 import copy
 
@@ -11,7 +11,7 @@ import torch
 from megatron_rl.learner.learner import Learner
 
 from batches import replacing
-from multiprocess import backend, run_ranks
+from rank_harness import backend, run_ranks
 from parallel_cases import VOCAB, batch, learner_case, tiny_cfg
 
 TOL = 1e-5

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import RankFailed, RankTimeout, run_ranks
+from rank_harness import RankFailed, RankTimeout, run_ranks
 
 
 def _all_reduce_rank(offset: int):
@@ -65,7 +65,7 @@ def _device_of_rank():
 
 
 def test_backend_comes_from_the_environment(monkeypatch):
-    from multiprocess import BACKEND_ENV, backend
+    from rank_harness import BACKEND_ENV, backend
 
     monkeypatch.delenv(BACKEND_ENV, raising=False)
     assert backend() == "gloo"  # the CPU default CI runs
@@ -77,7 +77,7 @@ def test_backend_comes_from_the_environment(monkeypatch):
 
 
 def test_nccl_skips_when_there_are_fewer_gpus_than_ranks(monkeypatch):
-    from multiprocess import BACKEND_ENV
+    from rank_harness import BACKEND_ENV
 
     monkeypatch.setenv(BACKEND_ENV, "nccl")
     need = torch.cuda.device_count() + 1
@@ -86,7 +86,7 @@ def test_nccl_skips_when_there_are_fewer_gpus_than_ranks(monkeypatch):
 
 
 def test_tensors_come_back_on_the_cpu():
-    from multiprocess import _to_cpu
+    from rank_harness import _to_cpu
 
     value = {"a": [torch.ones(2), (torch.zeros(1), 3)], "b": "x"}
     out = _to_cpu(value)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_helpers import hf_logits, save_random_hf_model
-from multiprocess import run_ranks
+from rank_harness import run_ranks
 
 pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(7))

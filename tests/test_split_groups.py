@@ -5,7 +5,7 @@ still reachable explicitly."""
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_ranks
+from rank_harness import run_ranks
 
 
 def test_learners_get_megatron_groups_engines_their_own():

@@ -5,7 +5,7 @@ learner's, for TP=2, PP=2 and EP=2 (MoE) learners."""
 import pytest
 import torch
 
-from multiprocess import run_ranks
+from rank_harness import run_ranks
 from parallel_cases import sync_case, tiny_cfg
 
 

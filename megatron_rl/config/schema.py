@@ -381,16 +381,33 @@ class CriticConfig:
 
 @dataclass
 class DataConfig:
-    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | gsm8k | math500 | jsonl (a
-    # JSONL file at data.path).
+    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | file (the dataset at
+    # data.path or data.sources) | gsm8k | math500 (a file with their fields and answer forms) |
+    # jsonl (the same as file).
     name: str = "reverse_digits"
-    # JSONL file for gsm8k / math500 / jsonl datasets.
+    # The dataset: a JSONL file, a parquet file (verl's format) or a directory saved by Hugging
+    # Face datasets' save_to_disk; the format is told by the suffix or the directory's files.
     path: Optional[str] = None
-    # Field of a JSONL row holding the prompt; None: the dataset's own (problem for math500,
-    # question otherwise).
+    # Several datasets mixed by weight instead of data.path: a list of {path, weight} (weights
+    # relative), each optionally with its own prompt_key, answer_key, system_key, system_prompt,
+    # split (default: the data.* key). Deterministic with trainer.seed, so resume continues it.
+    sources: Optional[List[Dict[str, Any]]] = None
+    # Field of a row holding the prompt (text or a list of chat messages); dotted for a nested
+    # field. None: the dataset's own (problem for math500), else the first of question, prompt,
+    # messages, problem that the first row has.
     prompt_key: Optional[str] = None
-    # Field holding the reference answer (GSM8K's is cut to the number after '####').
-    answer_key: str = "answer"
+    # Field holding the reference answer: text, a number, or a list of acceptable answers; dotted
+    # for a nested field (GSM8K's is cut to the number after '####'). None: the first of answer,
+    # reward_model.ground_truth (verl's), ground_truth that the first row has.
+    answer_key: Optional[str] = None
+    # A system prompt for every row: a system message before chat prompts (unless the row's
+    # messages open with one), the text and a blank line before a text template's prompt.
+    system_prompt: Optional[str] = None
+    # Field of a row holding its own system prompt (used instead of data.system_prompt when
+    # non-empty).
+    system_key: Optional[str] = None
+    # The split to read from a directory that holds a saved DatasetDict.
+    split: str = "train"
     # Synthetic tasks: digit-string lengths (inclusive) and alphabet.
     min_digits: int = 3
     # Synthetic tasks: longest digit string (inclusive).

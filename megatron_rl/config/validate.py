@@ -45,7 +45,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "correction.is_level": IS_LEVELS,
     "correction.reject": REJECT_LEVELS,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
-    "data.name": ("reverse_digits", "sort_digits", "gsm8k", "math500", "jsonl"),
+    "data.name": ("reverse_digits", "sort_digits", "file", "gsm8k", "math500", "jsonl"),
     "data.template": ("plain", "qa", "math", "chat"),
     "data.tokenizer": ("auto", "char", "bpe", "model"),
     "reward.name": REWARDS.names,
@@ -227,6 +227,25 @@ def _eval(cfg: RootConfig) -> None:
         validate_eval(cfg)
 
 
+def _data_sources(d: Any) -> None:
+    """data.path / data.sources fit data.name; each source entry is {path, weight, ...}."""
+    from ..data.sources import FILE_DATASETS, source_specs
+    from ..errors import UserError
+
+    if d.name not in FILE_DATASETS:
+        if d.path or d.sources:
+            raise ConfigError(f"data.{'path' if d.path else 'sources'} is set, but data.name={d.name} generates its "
+                              "prompts; set data.name=file to train on that dataset")
+        return
+    if not d.path and not d.sources:
+        raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl "
+                          "(or data.sources=[{path: a.parquet, weight: 0.7}, {path: b.jsonl, weight: 0.3}])")
+    try:
+        source_specs(d)
+    except UserError as err:
+        raise ConfigError(str(err)) from None
+
+
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     """Check every value of a resolved config; raise ConfigError naming the first bad key.
 
@@ -353,8 +372,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     if cfg.learner.share_prompts and (reasons := unsupported(m, cfg.learner)):
         raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
                           + ": set learner.share_prompts=false")
-    if d.name in ("gsm8k", "math500", "jsonl") and not d.path:
-        raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl")
+    _data_sources(d)
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens
     if needed > m.max_position_embeddings:
         raise ConfigError(

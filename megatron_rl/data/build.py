@@ -10,13 +10,17 @@ its own, or a small one for a large pretrained vocabulary, is refused unless
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Iterator, Optional, Tuple
 
 from ..config.schema import RootConfig
-from .datasets import CHAT, DatasetError, DigitTask, JsonlPrompts, Prompt, TEMPLATES, prompt_key, read_jsonl
+from .datasets import CHAT, DatasetError, DatasetPrompts, DigitTask, PROMPT_KEYS, Prompt, TEMPLATES, row_location
+from .fields import RowFields, answer_targets, prompt_content, required
+from .files import dataset_format, read_rows
+from .mixture import MixedPrompts
+from .sources import SourceSpec, source_specs
 from .tokenizer import Tokenizer, char_tokenizer, load_pretrained_tokenizer, train_bpe
 
-SYNTHETIC_TASKS = ("reverse_digits", "sort_digits")
+SYNTHETIC_TASKS = DIGIT_TASKS = ("reverse_digits", "sort_digits")
 # Files whose presence says a directory ships a tokenizer.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 # A vocabulary this large is a pretrained one (the smallest in common use is Llama-2's 32,000); a
@@ -120,11 +124,8 @@ def build_tokenizer(cfg: RootConfig) -> Tokenizer:
     elif choice == "char":
         tokenizer = char_tokenizer(d.digits + "=")
     else:
-        # Byte-level BPE trained on the dataset's own prompts and answers (offline, ~1 s).
-        key = prompt_key(d.name, d.prompt_key)
-        rows = read_jsonl(d.path, [key, d.answer_key])
-        texts = (TEMPLATES[d.template].format(question=r[key]) + " " + r[d.answer_key] for r in rows)
-        tokenizer = train_bpe(texts, d.bpe_vocab_size)
+        # Byte-level BPE trained on the datasets' own prompts and answers (offline, ~1 s).
+        tokenizer = train_bpe(_training_texts(cfg), d.bpe_vocab_size)
     check_vocabulary(cfg, tokenizer)
     return tokenizer
 
@@ -142,13 +143,41 @@ def wraps_in_chat(cfg: RootConfig, tokenizer: Tokenizer) -> bool:
     return tokenizer.chat_template is not None
 
 
+def _training_texts(cfg: RootConfig) -> Iterator[str]:
+    """Each row's prompt (under its text template, or its messages' contents) and answer."""
+    d = cfg.data
+    for spec in source_specs(d):
+        kind, rows = dataset_format(spec.path), read_rows(spec.path, spec.split)
+        fields = _fields(spec).resolved(rows[0], PROMPT_KEYS.get(d.name, "question"), row_location(spec.path, kind, 1))
+        for i, row in enumerate(rows):
+            where = row_location(spec.path, kind, i + 1)
+            content = prompt_content(required(row, fields.prompt_key, where), fields.prompt_key, where)
+            text = (" ".join(m["content"] for m in content) if isinstance(content, list)
+                    else TEMPLATES[d.template].format(question=content))
+            yield text + " " + answer_targets(required(row, fields.answer_key, where), fields.answer_key, where)[0]
+
+
+def _fields(spec: SourceSpec) -> RowFields:
+    return RowFields(spec.prompt_key, spec.answer_key, spec.system_key, spec.system_prompt)
+
+
 def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
     d = cfg.data
-    if d.name in SYNTHETIC_TASKS:
+    if d.name in DIGIT_TASKS:
         return DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits, cfg.trainer.seed,
                          distinct=d.distinct_digits, length_tail=d.length_tail)
-    return JsonlPrompts(d.path, tokenizer, prompt_key(d.name, d.prompt_key), d.answer_key, d.template, d.max_prompt_tokens,
-                        cfg.trainer.seed, d.shuffle, gsm8k=d.name == "gsm8k", chat=wraps_in_chat(cfg, tokenizer))
+    specs = source_specs(d)
+    chat = wraps_in_chat(cfg, tokenizer)
+    # Source k shuffles with seed + k: a single source gives the stream it always gave.
+    datasets = [DatasetPrompts(s.path, tokenizer, s.prompt_key, s.answer_key, d.template, d.max_prompt_tokens,
+                               cfg.trainer.seed + k, d.shuffle, gsm8k=d.name == "gsm8k", system_key=s.system_key,
+                               system_prompt=s.system_prompt, split=s.split,
+                               default_prompt_key=PROMPT_KEYS.get(d.name, "question"), uid_prefix=s.uid_prefix,
+                               chat=chat)
+                for k, s in enumerate(specs)]
+    if len(datasets) == 1:
+        return datasets[0]
+    return MixedPrompts([(ds, s.weight) for ds, s in zip(datasets, specs)], cfg.trainer.seed)
 
 
 def build_data(cfg: RootConfig) -> Tuple[Tokenizer, Iterable[Prompt]]:

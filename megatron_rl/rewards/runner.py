@@ -29,13 +29,13 @@ import time
 from collections import Counter
 from concurrent.futures import CancelledError
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from pebble import ProcessExpired, ProcessPool
 
 from ..plugins import PluginError
 from .shaping import overlong_penalty
-from .worker import Outcome, RewardLoadError, init_worker, score_items, warm_up
+from .worker import Outcome, RewardInput, RewardLoadError, init_worker, score_items, warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,22 @@ RewardFn = Callable[[str, str], float]
 LOGGED_ERRORS = 20
 # After that, one warning per this many errors.
 ERROR_SUMMARY_EVERY = 100
+
+
+# What the runner scores: a RewardInput, or a plain (completion, target) pair.
+Item = Union[RewardInput, Tuple[str, str]]
+
+
+class Scored(NamedTuple):
+    """One completion's score and the extra numbers its reward's dict returned (empty when the
+    reward failed)."""
+
+    reward: float
+    extras: Dict[str, float]
+
+
+def as_input(item: Item) -> RewardInput:
+    return item if isinstance(item, RewardInput) else RewardInput(item[0], (item[1],))
 
 
 class RewardFailing(RuntimeError):
@@ -94,13 +110,16 @@ class RewardRunner:
         self._failing_groups = 0
         self._last_error = ""
         self._payload = pickled_reward(fn, name)
+        # A reward.fn reads the prompt, token ids and row; a registered reward only the
+        # completion and answers, so only those are sent to its workers.
+        self._wants_context = bool(getattr(fn, "wants_context", False))
         # How often a running call's progress is read: a hung call is found within this of
         # reward.timeout_s.
         self._poll_s = min(0.5, max(0.02, timeout_s / 10))
         self._progress_dir = Path(tempfile.mkdtemp(prefix="megatron_rl-rewards-"))
         self._call_ids = itertools.count()
         # Groups waiting for this turn of the event loop to end, and the calls scoring them.
-        self._queued: List[Tuple[List[Tuple[str, str]], asyncio.Future]] = []
+        self._queued: List[Tuple[List[RewardInput], asyncio.Future]] = []
         self._batches: set = set()
         self._closed = False
         self._pool = self._start_pool()
@@ -114,7 +133,9 @@ class RewardRunner:
         pool.schedule(warm_up, (self._payload,))
         return pool
 
-    def _schedule(self, items: Sequence[Tuple[str, str]], path: Path):
+    def _schedule(self, items: Sequence[RewardInput], path: Path):
+        if not self._wants_context:
+            items = [RewardInput(item.completion, item.targets) for item in items]
         args = (self._payload, self.name, list(items), str(path))
         # The pool's own limit, a backstop to the watch in _watch (which finds a hang sooner):
         # no call outlives the time its pairs may take, whatever this process is doing.
@@ -148,19 +169,24 @@ class RewardRunner:
         """Score one completion without blocking the event loop (``score_many`` of one)."""
         return (await self.score_many([(completion, target)]))[0]
 
-    async def score_many(self, items: Sequence[Tuple[str, str]]) -> List[float]:
-        """Score (completion, target) pairs, in order, in one worker call (shared with the other
-        groups that ask at the same moment). A call is hung when no pair finishes for
-        ``reward.timeout_s`` while it runs: its worker is killed, that pair scores ``fallback``
-        (a timeout, counted) and the rest go to a fresh worker. A wrong return type raises
-        PluginError; RewardFailing when every sample of too many groups in a row failed."""
-        outcomes = await self._together(items)
-        scored = [self._score(outcome, completion) for outcome, (completion, _) in zip(outcomes, items)]
+    async def score_many(self, items: Sequence[Item]) -> List[float]:
+        """The scores of (completion, target) pairs or RewardInputs, in order (``score_inputs``)."""
+        return [scored.reward for scored in await self.score_inputs(items)]
+
+    async def score_inputs(self, items: Sequence[Item]) -> List[Scored]:
+        """Score completions, in order, in one worker call (shared with the other groups that ask
+        at the same moment). A call is hung when no completion finishes for ``reward.timeout_s``
+        while it runs: its worker is killed, that one scores ``fallback`` (a timeout, counted)
+        and the rest go to a fresh worker. A wrong return type raises PluginError; RewardFailing
+        when every sample of too many groups in a row failed."""
+        inputs = [as_input(item) for item in items]
+        outcomes = await self._together(inputs)
+        scored = [self._score(outcome, item.completion) for outcome, item in zip(outcomes, inputs)]
         if scored:
             self._count_group(all(not ok for _, ok in scored))
-        return [score for score, _ in scored]
+        return [result for result, _ in scored]
 
-    def _together(self, items: Sequence[Tuple[str, str]]) -> "asyncio.Future[List[Outcome]]":
+    def _together(self, items: Sequence[RewardInput]) -> "asyncio.Future[List[Outcome]]":
         """The outcomes of ``items``, scored in one worker call with every other group that asks
         in the same turn of the event loop (the groups one engine step finished): a process
         round trip costs a few thread hand-offs in this busy process, so one per step, not one
@@ -183,7 +209,7 @@ class RewardRunner:
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
 
-    async def _score_batch(self, batch: List[Tuple[List[Tuple[str, str]], asyncio.Future]]) -> None:
+    async def _score_batch(self, batch: List[Tuple[List[RewardInput], asyncio.Future]]) -> None:
         """Score the groups of ``batch`` in one list and hand each waiter its share."""
         items = [item for group, _ in batch for item in group]
         try:
@@ -203,18 +229,18 @@ class RewardRunner:
                 waiter.set_result(outcomes[start:start + len(group)])
             start += len(group)
 
-    async def _outcomes(self, items: Sequence[Tuple[str, str]]) -> List[Outcome]:
+    async def _outcomes(self, items: Sequence[RewardInput]) -> List[Outcome]:
         """Outcomes of ``items`` in order: calls until every pair has one (a hung or dead call
         returns a prefix; the rest go to the next call). PluginError at a wrong return type."""
         outcomes: List[Outcome] = []
         while len(outcomes) < len(items):
             outcomes += await self._call(items[len(outcomes):])
-            for kind, line in outcomes:
-                if kind == "stop":
-                    raise PluginError(line)
+            for outcome in outcomes:
+                if outcome[0] == "stop":
+                    raise PluginError(outcome[1])
         return outcomes
 
-    async def _call(self, items: Sequence[Tuple[str, str]]) -> List[Outcome]:
+    async def _call(self, items: Sequence[RewardInput]) -> List[Outcome]:
         """Outcomes of ``items`` in order from one worker call: all of them, or, when the call
         hung or its worker died, those finished before and the failed one."""
         path = self._progress_dir / f"call-{next(self._call_ids)}.jsonl"
@@ -265,11 +291,11 @@ class RewardRunner:
                        self.timeout_s, self.fallback)
         return done + [["timeout", None]]
 
-    def _score(self, outcome: Outcome, completion: str) -> Tuple[float, bool]:
+    def _score(self, outcome: Outcome, completion: str) -> Tuple[Scored, bool]:
         """(score, whether the reward succeeded) of one outcome."""
-        kind, value = outcome
+        kind, value = outcome[0], outcome[1]
         if kind == "timeout":
-            return self.fallback, False
+            return Scored(self.fallback, {}), False
         if kind == "ok":
             try:
                 score = self.checked(value)
@@ -277,11 +303,11 @@ class RewardRunner:
                 value = str(err)
             else:
                 self.counts["ok"] += 1
-                return score, True
+                return Scored(score, outcome[2] if len(outcome) > 2 else {}), True
         self.counts["error"] += 1
         self._last_error = value
         self._warn_error(completion, value)
-        return self.fallback, False
+        return Scored(self.fallback, {}), False
 
     def _warn_error(self, completion: str, message: str) -> None:
         errors = self.counts["error"]
@@ -318,13 +344,22 @@ class RewardRunner:
         return score
 
 
-async def score_groups(runner: RewardRunner, decode: Callable[[List[int]], str], targets: Sequence[str],
+async def score_groups(runner: RewardRunner, decode: Callable[[List[int]], str], prompts: Sequence[Any],
                        groups: Sequence[Sequence], reward_cfg, max_new_tokens: int) -> None:
-    """Set each trajectory's ``reward``: the verifier's score of its decoded response against its
-    group's target (one worker call per group) plus DAPO's overlong penalty."""
-    scored = await asyncio.gather(*(runner.score_many([(decode(t.response_ids), target) for t in group])
-                                    for target, group in zip(targets, groups)))
-    for group, scores in zip(groups, scored):
-        for traj, score in zip(group, scores):
-            traj.reward = score + overlong_penalty(len(traj.response_ids), max_new_tokens,
-                                                   reward_cfg.overlong_buffer, reward_cfg.overlong_penalty)
+    """Set each trajectory's ``reward``: the reward's score of its decoded response against its
+    group's prompt (answers, text, ids and dataset row; one worker call per group) plus DAPO's
+    overlong penalty; and its ``reward_info`` to the extra numbers the reward returned."""
+    scored = await asyncio.gather(*(runner.score_inputs([reward_input(prompt, decode(t.response_ids), t)
+                                                         for t in group])
+                                    for prompt, group in zip(prompts, groups)))
+    for group, results in zip(groups, scored):
+        for traj, result in zip(group, results):
+            traj.reward = result.reward + overlong_penalty(len(traj.response_ids), max_new_tokens,
+                                                           reward_cfg.overlong_buffer, reward_cfg.overlong_penalty)
+            traj.reward_info = dict(result.extras)
+
+
+def reward_input(prompt: Any, completion: str, traj: Any) -> RewardInput:
+    """What the reward of one sampled ``traj`` of ``prompt`` (data.datasets.Prompt) is given."""
+    return RewardInput(completion, tuple(prompt.acceptable_answers), prompt.text, tuple(traj.prompt_ids),
+                       tuple(traj.response_ids), prompt.ground_truth, dict(prompt.row))

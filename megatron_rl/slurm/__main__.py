@@ -91,10 +91,13 @@ def parse(args: List[str]) -> JobSpec:
         plan_for(cfg, world, per_node)
     except PlacementError as err:
         raise ValueError(str(err)) from None
-    data_path = cfg.data.path if cfg.data.name not in ("reverse_digits", "sort_digits") else None
-    if data_path and not Path(data_path).is_file():
-        raise ValueError(f"data.path={data_path!r}: file not found (checked at submit, from {Path.cwd()}): "
-                         "give a path the job's nodes can read, e.g. an absolute one")
+    from ..data.sources import FILE_DATASETS, source_specs
+
+    # A file, or a directory that datasets' save_to_disk wrote.
+    for data_path in [s.path for s in source_specs(cfg.data)] if cfg.data.name in FILE_DATASETS else []:
+        if not Path(data_path).exists():
+            raise ValueError(f"data.path={data_path!r}: file not found (checked at submit, from {Path.cwd()}): "
+                             "give a path the job's nodes can read, e.g. an absolute one")
     run_dir = Path(cfg.trainer.run_dir or Path("runs") / recipe / time.strftime("%Y%m%d-%H%M%S")).resolve()
     overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")]
     return JobSpec(recipe=recipe, run_dir=run_dir, overrides=overrides, python=job.pop("python", sys.executable), **job)

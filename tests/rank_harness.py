@@ -1,7 +1,7 @@
 """Run one function on N ranks (gloo on CPU by default, or NCCL on GPUs) from a pytest test, and
 hand each rank's return value back.
 
-    from multiprocess import run_ranks
+    from rank_harness import run_ranks
     results = run_ranks(my_fn, world_size=2, args=(cfg,), timeout_s=120)   # [rank0, rank1]
 
 ``my_fn`` must be picklable (a module-level function): ranks are forked from a server process
