@@ -233,3 +233,12 @@ def replica_init_case(cfg: RootConfig) -> Dict[str, torch.Tensor]:
         return full_state(learner_module.Learner(cfg, VOCAB).module)
     finally:
         learner_module.build_gpt_model = build
+
+
+def teacher_case(cfg: RootConfig, trajs) -> Dict[str, Any]:
+    """A learner at ``cfg``'s layout with the teacher of ``cfg.teacher.path``: the teacher's
+    logprobs of ``trajs`` (on every rank)."""
+    from megatron_rl.learner.learner import Learner
+
+    learner = Learner(cfg, VOCAB)
+    return {"logprobs": learner.compute_logprobs(trajs, 1.0, teacher=True)}
