@@ -42,6 +42,8 @@ from .rollout.device import resolve_engine_device
 from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.agent import AgentError, agent_metrics, runs
+from .learner.recipes import recipe_for
+from .rollout.dataset_responses import DatasetResponses
 from .rollout.workflow import build_workflow
 from .rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
@@ -240,8 +242,11 @@ class Trainer:
                                      stop_token_ids=self.tokenizer.stop_ids, stream=False,
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
         try:
-            self.workflow = build_workflow(r.workflow, self.tokenizer, cfg.model.max_position_embeddings,
-                                           r.turn_discount, r.agent_args)
+            if recipe_for(cfg.algo.name).samples_from_data:  # SFT: the rows' own responses
+                self.workflow = DatasetResponses(self.tokenizer, lambda: self.version)
+            else:
+                self.workflow = build_workflow(r.workflow, self.tokenizer, cfg.model.max_position_embeddings,
+                                               r.turn_discount, r.agent_args)
         except ValueError as err:  # e.g. an agent with a tokenizer that has no chat template
             raise ConfigError(str(err)) from None
         self.timeline = Timeline(self.run_dir / "timeline.jsonl")

@@ -143,7 +143,7 @@ def test_cli_bad_value_prints_one_error_line():
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert lines == ["megatron_rl: error: algo.name='nope' is not allowed; choose one of grpo, dr_grpo, "
-                     "rloo, reinforce_pp, reinforce_pp_baseline, gae, opd"]
+                     "rloo, reinforce_pp, reinforce_pp_baseline, gae, opd, sft"]
 
 
 def test_cli_missing_dataset_prints_one_error_line(tmp_path):

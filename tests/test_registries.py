@@ -24,7 +24,7 @@ from megatron_rl.types import Trajectory
 
 REGISTRIES = {
     "algo.name": (ADVANTAGE_ESTIMATORS, ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")),
-    "algo.policy_loss": (POLICY_LOSSES, ("decoupled", "ppo", "gspo", "cispo")),
+    "algo.policy_loss": (POLICY_LOSSES, ("decoupled", "ppo", "gspo", "cispo", "nll")),
     "reward.name": (REWARDS, ("reverse_digits", "sort_digits", "gsm8k", "math", "code")),
     "rollout.engine": (ENGINES, ("embedded", "vllm")),
     "rollout.workflow": (WORKFLOWS, ("single_turn",)),
@@ -132,6 +132,8 @@ def test_policy_loss_lookup_equals_the_functions(weight_level):
         "ppo": lambda lp: ppo_clip_loss(lp, old, adv, mask, 0.1, 0.3, 3.0),
         "gspo": lambda lp: gspo_loss(lp, old, adv, mask, 0.1, 0.3),
         "cispo": lambda lp: cispo_loss(lp, old, adv, mask, 0.1, 0.3),
+        "nll": lambda lp: (-adv * lp * mask, {"clipped_tokens": torch.tensor(0.0), "ratio_sum": mask.sum(),
+                                              "approx_kl_sum": torch.tensor(0.0)}),
     }
     assert tuple(direct) == POLICY_LOSSES.names()
     for name, call in direct.items():

@@ -173,6 +173,18 @@ def _cispo(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logpro
     return cispo_loss(logprobs, proximal_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
 
 
+@POLICY_LOSSES.register("nll")
+def _nll(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
+         advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
+         ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Supervised fine-tuning's loss: the negative log-likelihood of each response token,
+    weighted by its advantage (1 for SFT). No ratio, no clip."""
+    with torch.no_grad():
+        zero = (logprobs * 0).sum()
+        stats = {"clipped_tokens": zero, "ratio_sum": mask.sum(), "approx_kl_sum": zero}
+    return -advantages * logprobs * mask, stats
+
+
 # algo.loss_agg_mode: how per-token losses become one number (what the gradient is averaged over).
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, Iterable, Tuple, Union
 from ..errors import UserError
 from ..algorithms.advantages import ADVANTAGE_ESTIMATORS
 from ..algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
-from ..algorithms.rollout_correction import IS_LEVELS, REJECT_LEVELS
+from ..algorithms.rollout_correction import IS_LEVELS, REJECT_LEVELS, Correction
 from ..learner.recipes import LEARNER_RECIPES
 from ..models.families import FAMILY_NAMES, get_family
 from ..models.shared_prefix import unsupported
@@ -161,6 +161,24 @@ def _routing_replay(cfg: RootConfig) -> None:
     if not cfg.rollout.record_routing:
         raise ConfigError("algo.routing_replay=rollout with rollout.record_routing=false: the engine records no "
                           "routing to replay; set rollout.record_routing=true, or algo.routing_replay=none")
+
+
+def _group_size(cfg: RootConfig) -> None:
+    from ..learner.recipes import recipe_for
+
+    recipe = recipe_for(cfg.algo.name)
+    if recipe.samples_from_data:
+        if cfg.algo.group_size != 1:
+            raise ConfigError(f"algo.name={cfg.algo.name} trains on each row's own response once: set "
+                              f"algo.group_size=1 (it is {cfg.algo.group_size})")
+        if Correction(**dataclasses.asdict(cfg.correction)).active:
+            raise ConfigError(f"correction.* weighs sampled tokens by the engine's logprobs, and algo.name="
+                              f"{cfg.algo.name} samples nothing: leave the correction keys at their defaults")
+    elif recipe.group_relative and cfg.algo.group_size < 2:
+        raise ConfigError(
+            f"algo.group_size={cfg.algo.group_size} must be >= 2: group-relative advantages "
+            "need at least two samples per prompt"
+        )
 
 
 def _teacher(cfg: RootConfig) -> None:
@@ -333,11 +351,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
                           f"per layer (model.num_layers={m.num_layers})")
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
-    if cfg.algo.group_size < 2:
-        raise ConfigError(
-            f"algo.group_size={cfg.algo.group_size} must be >= 2: group-relative advantages "
-            "need at least two samples per prompt"
-        )
+    _group_size(cfg)
     if cfg.algo.groups_per_batch % cfg.learner.mini_batches:
         raise ConfigError(
             f"learner.mini_batches={cfg.learner.mini_batches} must divide "

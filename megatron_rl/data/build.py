@@ -14,7 +14,7 @@ from typing import Iterable, Iterator, Optional, Tuple
 
 from ..config.schema import RootConfig
 from .datasets import CHAT, DatasetError, DatasetPrompts, DigitTask, PROMPT_KEYS, Prompt, TEMPLATES, row_location
-from .fields import RowFields, answer_targets, prompt_content, required
+from .fields import RowFields, answer_targets, prompt_and_answer
 from .files import dataset_format, read_rows
 from .mixture import MixedPrompts
 from .sources import SourceSpec, source_specs
@@ -151,10 +151,10 @@ def _training_texts(cfg: RootConfig) -> Iterator[str]:
         fields = _fields(spec).resolved(rows[0], PROMPT_KEYS.get(d.name, "question"), row_location(spec.path, kind, 1))
         for i, row in enumerate(rows):
             where = row_location(spec.path, kind, i + 1)
-            content = prompt_content(required(row, fields.prompt_key, where), fields.prompt_key, where)
+            content, answer = prompt_and_answer(row, fields, where)
             text = (" ".join(m["content"] for m in content) if isinstance(content, list)
                     else TEMPLATES[d.template].format(question=content))
-            yield text + " " + answer_targets(required(row, fields.answer_key, where), fields.answer_key, where)[0]
+            yield text + " " + answer_targets(answer, fields.answer_key, where)[0]
 
 
 def _fields(spec: SourceSpec) -> RowFields:

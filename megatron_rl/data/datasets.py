@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from .chat_template import ChatTemplateError
-from .fields import (Messages, RowFields, answer_targets, prompt_content, question_of, required,
-                     system_text, with_system)
+from .fields import (Messages, RowFields, answer_targets, prompt_and_answer, question_of, system_text,
+                     with_system)
 from .files import DatasetError, dataset_format, read_jsonl_rows, read_rows
 from .tokenizer import Tokenizer
 
@@ -175,8 +175,7 @@ class DatasetPrompts:
                   uid: str, where: str, chat: bool = False) -> Prompt:
         """One row as a prompt: rendered, tokenized, its answer as target text; ``chat``: a text
         prompt goes through the chat template too."""
-        content = prompt_content(required(row, fields.prompt_key, where), fields.prompt_key, where)
-        raw_answer = required(row, fields.answer_key, where)
+        content, raw_answer = prompt_and_answer(row, fields, where)
         answers = answer_targets(raw_answer, fields.answer_key, where)
         if gsm8k and isinstance(raw_answer, str):
             try:

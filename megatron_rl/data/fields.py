@@ -17,8 +17,12 @@ from .files import DatasetError
 
 # Tried in order when data.prompt_key is not set (after the named dataset's own field).
 PROMPT_CANDIDATES = ("question", "prompt", "messages", "problem")
-# Tried in order when data.answer_key is not set: ours, verl's, then a plain ground_truth column.
-ANSWER_CANDIDATES = ("answer", "reward_model.ground_truth", "ground_truth")
+# Tried in order when data.answer_key is not set: ours, verl's, then a plain ground_truth column,
+# then the response columns of supervised (SFT) data.
+ANSWER_CANDIDATES = ("answer", "reward_model.ground_truth", "ground_truth", "response", "completion")
+# The answer key of chat rows whose messages end with the assistant's reply (SFT data): the reply is
+# the answer, the messages before it the prompt.
+ASSISTANT_REPLY = "<the last assistant message>"
 _MISSING = object()
 
 
@@ -152,6 +156,28 @@ class RowFields:
     def resolved(self, first_row: Dict[str, Any], default_prompt_key: str, where: str) -> "RowFields":
         """These fields with the prompt and answer keys found in ``first_row`` where not given."""
         prompts = (default_prompt_key, *[k for k in PROMPT_CANDIDATES if k != default_prompt_key])
-        return RowFields(detect_key(first_row, self.prompt_key, prompts, "prompt", "data.prompt_key", where),
+        prompt_key = detect_key(first_row, self.prompt_key, prompts, "prompt", "data.prompt_key", where)
+        if self.answer_key is None and not any(has(first_row, k) for k in ANSWER_CANDIDATES) \
+                and ends_with_reply(lookup(first_row, prompt_key)):
+            return RowFields(prompt_key, ASSISTANT_REPLY, self.system_key, self.system_prompt)
+        return RowFields(prompt_key,
                          detect_key(first_row, self.answer_key, ANSWER_CANDIDATES, "answer", "data.answer_key", where),
                          self.system_key, self.system_prompt)
+
+
+def ends_with_reply(value: Any) -> bool:
+    """Whether a prompt field is a chat whose last message is the assistant's."""
+    return isinstance(value, list) and bool(value) and isinstance(value[-1], dict) \
+        and value[-1].get("role") == "assistant"
+
+
+def prompt_and_answer(row: Dict[str, Any], fields: "RowFields", where: str) -> Tuple[Any, Any]:
+    """A row's prompt content and raw answer; chat rows that end with the assistant's reply
+    (``ASSISTANT_REPLY``) give the messages before it and the reply."""
+    content = prompt_content(required(row, fields.prompt_key, where), fields.prompt_key, where)
+    if fields.answer_key != ASSISTANT_REPLY:
+        return content, required(row, fields.answer_key, where)
+    if not ends_with_reply(content) or len(content) < 2:
+        raise DatasetError(f"{where}: field {fields.prompt_key!r} must end with the assistant's reply after at least "
+                           "one other message (the other rows do); fix that row or set data.answer_key")
+    return content[:-1], content[-1]["content"]

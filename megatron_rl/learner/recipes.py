@@ -16,7 +16,7 @@ compute them again).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,12 @@ class LearnerRecipe:
     critic = False
     # Whether the recipe needs a frozen teacher (teacher.path).
     teacher = False
+    # Whether its samples are the dataset rows' own responses instead of the engine's (SFT).
+    samples_from_data = False
+    # The per-token loss it trains with (a POLICY_LOSSES name); None: algo.policy_loss.
+    policy_loss: Optional[str] = None
+    # Whether its advantages compare samples within a group (algo.group_size >= 2).
+    group_relative = True
 
     def prepare(self, worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
         """The batch with every field the update needs, and metrics of this preparation."""
@@ -97,9 +103,23 @@ class DistillationRecipe(LearnerRecipe):
         return batch.with_fields(advantages=advantages), metrics
 
 
+class SupervisedRecipe(LearnerRecipe):
+    """Supervised fine-tuning: the rows' own responses (rollout/dataset_responses.py) trained with
+    the response-token negative log-likelihood (``nll``); every token's weight is 1."""
+
+    samples_from_data = True
+    policy_loss = "nll"
+    group_relative = False
+
+    def prepare(self, worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
+        return batch.with_fields(rewards=[0.0] * len(batch),
+                                 advantages=[[1.0] * len(t.response_ids) for t in batch]), {}
+
+
 LEARNER_RECIPES: Registry[LearnerRecipe] = Registry("learner recipe")
 LEARNER_RECIPES.register("gae")(CriticRecipe())
 LEARNER_RECIPES.register("opd")(DistillationRecipe())
+LEARNER_RECIPES.register("sft")(SupervisedRecipe())
 
 
 def recipe_for(algo_name: str) -> LearnerRecipe:
