@@ -70,7 +70,8 @@ def test_recipe_names_are_found_in_the_recipe_path_before_the_shipped_ones(tmp_p
     with pytest.raises(ConfigError, match=f"recipe=nope not found .*{mine}.*{RECIPE_PATH_ENV}"):
         load_config("nope")
     monkeypatch.setenv(RECIPE_PATH_ENV, str(tmp_path / "absent"))
-    with pytest.raises(ConfigError, match=f"{RECIPE_PATH_ENV} names .*absent, which is not a directory"):
+    message = "which is not a directory: give folders of recipe .yaml files"
+    with pytest.raises(ConfigError, match=f"{RECIPE_PATH_ENV} names .*absent, {message}"):
         load_config("tiny_cpu")
 
 

@@ -11,8 +11,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from ..errors import nearest, one_line
 from .paths import resolve_paths
-from .recipes import hydra_search_path, recipe_location
-from .recipes import RECIPES_DIR, recipe_name  # noqa: F401  (imported from here by the entry points)
+from .recipes import hydra_search_path, recipe_location, recipe_name
 from .schema import RootConfig
 from .validate import ConfigError, validate
 
@@ -140,4 +139,7 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distrib
             if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
                 raise unknown_key(str(cause.full_key), "command line") from None
             raise ConfigError(one_line(err)) from None
-    return to_dataclass(cfg, distributed=distributed, overrides=overrides)
+    loaded = to_dataclass(cfg, distributed=distributed, overrides=overrides)
+    # Names the default run directory and the trackers' run, for every caller (the CLI did it alone).
+    loaded.trainer.recipe = recipe_name(recipe, loaded.trainer.recipe)
+    return loaded

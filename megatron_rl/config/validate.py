@@ -16,6 +16,7 @@ from ..rewards.verifiers import REWARDS
 from ..rollout.build import ENGINES
 from ..plugins import is_import_path
 from ..rollout.workflow import is_agent, resolve_agent, workflow_names
+from ..telemetry.trackers import tracker_problem
 from .schema import RootConfig
 
 
@@ -173,6 +174,10 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         if key == "rollout.workflow" and is_import_path(cfg.rollout.workflow):
             continue  # a user's agent: loaded and checked below
         _choice(cfg, key)
+    for name in cfg.trainer.loggers:  # a tracker that is unknown, or not installed, before anything runs
+        problem = tracker_problem(name)
+        if problem:
+            raise ConfigError(problem)
     if is_agent(cfg.rollout.workflow):
         try:
             resolve_agent(cfg.rollout.workflow)
