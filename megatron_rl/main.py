@@ -13,7 +13,8 @@ import traceback
 from typing import Callable, List, Optional
 
 USAGE = """usage: python -m megatron_rl.main [recipe=tiny_cpu] [--print-config] [key=value ...]
-  recipe=NAME      a YAML under recipes/ (default tiny_cpu), or a path to a .yaml file (a run's config.yaml)
+  recipe=NAME      a recipe in $MEGATRON_RL_RECIPE_PATH's folders or recipes/ (default tiny_cpu),
+                   or the path of a .yaml file (a recipe of your own, a run's config.yaml)
   --print-config   print the resolved config and exit
   key=value        any config override, e.g. trainer.total_steps=50 algo.group_size=8"""
 

@@ -52,6 +52,7 @@ from .scheduler.staleness import StalenessManager
 from .stop import StopRequested, StopWatch, uninstall_stop_handlers
 from .telemetry.gpu import GpuTelemetry
 from .telemetry.metrics import MetricsWriter, Timeline, TrainedBatches, forget_spans_after
+from .telemetry.trackers import open_trackers
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
 from .types import SamplingParams, Trajectory
@@ -284,8 +285,15 @@ class Trainer:
             except BaseException:
                 self.rewards.close()
                 raise
-        # Events of steps after the checkpoint (a run that died past it) are dropped from TensorBoard.
-        self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step)
+        # Rows and TensorBoard events of steps after the checkpoint (a run that died past it) are
+        # dropped; W&B and MLflow continue the run's own run (trainer.loggers).
+        try:
+            trackers = open_trackers(cfg.trainer.loggers, self.run_dir, cfg.trainer.project, cfg.trainer.run_name,
+                                     first_step=self.start_step)
+        except BaseException:
+            self.rewards.close()
+            raise
+        self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step, trackers=trackers)
         # Per-step GPU utilisation, memory, power, clocks (telemetry/gpu.py); empty without a GPU.
         self.gpu_telemetry = GpuTelemetry(cfg.trainer.gpu_telemetry_interval_s).start()
         self.trained = TrainedBatches(self.run_dir, first_step=self.start_step)
@@ -617,7 +625,7 @@ class Trainer:
         finally:
             self.log_ledger()
             self.learners.close()  # the other learner ranks leave their loop
-            self.metrics.close()
+            self.metrics.close(finished)
             self.gpu_telemetry.close()
             self.trained.close()
             self.timeline.close()

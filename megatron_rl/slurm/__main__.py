@@ -1,9 +1,20 @@
-"""``python -m megatron_rl.slurm submit recipe=NAME [nodes=N gpus_per_node=G partition=P time=T ...]
-[--dry-run] [--wait] [config overrides ...]``
+"""usage: python -m megatron_rl.slurm submit [recipe=NAME|FILE.yaml] [job keys] [--dry-run] [--wait] [key=value ...]
 
-Checks the config, writes the batch script into the run directory (``<run_dir>/slurm/job.sbatch``),
-submits it with sbatch and prints the job id. ``--dry-run`` prints the script and submits nothing;
-``--wait`` returns when the job ends, with its exit status."""
+Checks the config, writes the batch script into the run directory (<run_dir>/slurm/job.sbatch),
+submits it with sbatch and prints the job id.
+  --dry-run          print the script; submit and write nothing
+  --wait             return when the job ends, with its exit status
+job keys:
+  nodes=N            nodes to allocate (default 1)
+  gpus_per_node=G    GPUs per node; 0 (default) is a CPU job
+  procs_per_node=P   ranks per node (default: one per GPU; 1 on a CPU job)
+  cpus_per_task=C    CPUs per node for its ranks (Slurm's --cpus-per-task of the one task per node
+                     that runs torchrun); each rank gets C / P threads (OMP_NUM_THREADS)
+  partition=, time=, account=, job_name=   passed to #SBATCH (time: minutes, HH:MM:SS or D-HH:MM:SS)
+  signal_lead_s=S    seconds before the time limit the job is told to checkpoint and stop (120)
+  rdzv_port=PORT     port of torchrun's rendezvous on the first node (default: from the job id)
+  python=PATH        the Python the nodes run (default: the one running this tool)
+every other key=value is a config override, as for python -m megatron_rl.main."""
 
 from __future__ import annotations
 
@@ -46,6 +57,7 @@ def _valid_time(text: str) -> bool:
 def parse(args: List[str]) -> JobSpec:
     """A JobSpec from the command line; raises ValueError naming a bad argument."""
     from ..config import load_config
+    from ..config.recipes import is_recipe_file, recipe_name
 
     recipe, overrides, job = "tiny_cpu", [], {}
     for arg in args:
@@ -98,9 +110,13 @@ def parse(args: List[str]) -> JobSpec:
         if not Path(data_path).exists():
             raise ValueError(f"data.path={data_path!r}: file not found (checked at submit, from {Path.cwd()}): "
                              "give a path the job's nodes can read, e.g. an absolute one")
-    run_dir = Path(cfg.trainer.run_dir or Path("runs") / recipe / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    name = recipe_name(recipe, cfg.trainer.recipe)
+    run_dir = Path(cfg.trainer.run_dir or Path("runs") / name / time.strftime("%Y%m%d-%H%M%S")).resolve()
     overrides = [o for o in overrides if not o.startswith("trainer.run_dir=")]
-    return JobSpec(recipe=recipe, run_dir=run_dir, overrides=overrides, python=job.pop("python", sys.executable), **job)
+    if is_recipe_file(recipe):  # the job's nodes read the same file whatever their working directory
+        recipe = str(Path(recipe).expanduser().resolve())
+    return JobSpec(recipe=recipe, name=name, run_dir=run_dir, overrides=overrides,
+                   python=job.pop("python", sys.executable), **job)
 
 
 def submit(spec: JobSpec, wait: bool = False) -> int:
@@ -127,9 +143,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..errors import report
 
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help") or args[0] != "submit":
+    if any(a in ("-h", "--help") for a in args):  # `submit --help` too
         print(USAGE)
-        return 0 if args and args[0] in ("-h", "--help") else 2
+        return 0
+    if not args or args[0] != "submit":
+        print(USAGE, file=sys.stderr)
+        return 2
     rest = [a for a in args[1:] if a not in ("--dry-run", "--wait")]
     try:
         spec = parse(rest)

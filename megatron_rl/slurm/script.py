@@ -21,8 +21,9 @@ from ..stop import EXIT_FILE_ENV, STOP_FILE, STOPPED_EXIT
 
 @dataclass
 class JobSpec:
-    recipe: str
+    recipe: str                     # a recipe name, or the absolute path of a recipe file
     run_dir: Path
+    name: str = ""                  # the recipe's name, for the job's (default: recipe)
     overrides: List[str] = field(default_factory=list)
     nodes: int = 1
     gpus_per_node: int = 0          # 0: a CPU job
@@ -46,7 +47,7 @@ def render(spec: JobSpec) -> str:
     """The batch script, as text."""
     run_dir = spec.run_dir
     directives = [
-        f"--job-name={spec.job_name or 'megatron_rl-' + spec.recipe}",
+        f"--job-name={spec.job_name or 'megatron_rl-' + (spec.name or spec.recipe)}",
         f"--nodes={spec.nodes}",
         "--ntasks-per-node=1",  # one torchrun per node; it starts the per-GPU processes
         f"--chdir={spec.workdir}",

@@ -1,16 +1,22 @@
-"""Step metrics to TensorBoard and metrics.jsonl (the same scalars), plus the timeline spans."""
+"""Step metrics to metrics.jsonl and the experiment trackers (the same scalars), plus the timeline spans."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
-import numpy as np
+from ..errors import one_line
+
+if TYPE_CHECKING:
+    from .trackers import Tracker
+
+logger = logging.getLogger(__name__)
 
 
 def json_line(row: Dict) -> str:
@@ -48,17 +54,23 @@ def keep_jsonl_rows(path: Path, keep: Callable[[Dict], bool]) -> List[Dict]:
 
 
 class MetricsWriter:
-    """``first_step`` > 1 continues a resumed run: rows and events of steps from ``first_step`` on,
-    written by the run before it died past its checkpoint, are dropped (they are done again)."""
+    """metrics.jsonl (always: the run's own record, read on resume and by tools/plot_metrics.py)
+    and the experiment trackers (telemetry/trackers: TensorBoard by default). ``first_step`` > 1
+    continues a resumed run: rows of steps from ``first_step`` on, written by the run before it
+    died past its checkpoint, are dropped (they are done again)."""
 
-    def __init__(self, run_dir: Path, first_step: int = 1):
-        from torch.utils.tensorboard import SummaryWriter
-
+    def __init__(self, run_dir: Path, first_step: int = 1, trackers: Optional[Sequence["Tracker"]] = None):
         path = run_dir / "metrics.jsonl"
         self._kept: List[Dict] = []
         if first_step > 1:
             self._kept = keep_jsonl_rows(path, lambda r: r["step"] < first_step)
-        self.tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=first_step if first_step > 1 else None)
+        if trackers is None:
+            from .trackers import TrackedRun
+            from .trackers.tensorboard_tracker import open_tracker
+
+            trackers = [open_tracker(TrackedRun(run_dir, "", "", {}, first_step))]
+        self.trackers = list(trackers)
+        self._failing: set = set()
         self.jsonl = path.open("a", buffering=1)
 
     def history(self) -> List[Dict]:
@@ -68,16 +80,24 @@ class MetricsWriter:
     def write(self, step: int, metrics: Dict[str, Union[float, List[int]]]) -> None:
         """Scalars, plus histograms given as a list of counts per integer bucket
         (e.g. ``staleness/histogram``: how many samples were 0, 1, 2, ... versions old)."""
-        for key, value in metrics.items():
-            if isinstance(value, list):
-                if sum(value):
-                    self.tb.add_histogram(key, np.repeat(np.arange(len(value)), value), step)
-            else:
-                self.tb.add_scalar(key, value, step)
         self.jsonl.write(json_line({"step": step, **metrics}))
+        for tracker in self.trackers:
+            try:
+                tracker.log(step, metrics)
+            except Exception as err:  # a tracker's server away for a while must not end a long run
+                if type(tracker).__name__ not in self._failing:
+                    self._failing.add(type(tracker).__name__)
+                    logger.warning("step %d: %s could not log (%s); metrics.jsonl has every step, and further "
+                                   "failures of this tracker are not reported", step, type(tracker).__name__,
+                                   one_line(err))
 
-    def close(self) -> None:
-        self.tb.close()
+    def close(self, finished: bool = True) -> None:
+        """``finished`` False: the run failed or stopped early (trackers that can, say so)."""
+        for tracker in self.trackers:
+            try:
+                tracker.close(finished)
+            except Exception as err:
+                logger.warning("%s could not close its run (%s)", type(tracker).__name__, one_line(err))
         self.jsonl.close()
 
 

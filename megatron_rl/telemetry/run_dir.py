@@ -3,7 +3,9 @@ checkpoints/, logs/."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -27,7 +29,10 @@ def make_run_dir(cfg: RootConfig) -> Path:
     try:
         for sub in ("tb", "checkpoints", "logs"):
             (run_dir / sub).mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")
+        # The folder the run used, absolute (the config's other paths already are): the file
+        # given as recipe= runs this run again wherever the command is typed.
+        used = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=os.path.abspath(run_dir)))
+        OmegaConf.save(OmegaConf.structured(used), run_dir / "config.yaml")
     except OSError as err:
         raise ConfigError(f"trainer.run_dir={str(run_dir)!r} cannot be used ({err.strerror or err}: "
                           f"{err.filename or run_dir}): give a directory this user can create and write") from None

