@@ -190,7 +190,7 @@ def test_the_math500_training_example_of_the_rewards_page_builds_its_prompts(hf_
     from megatron_rl.data.build import build_data
 
     page = (Path(__file__).resolve().parents[1] / "docs" / "rewards.md").read_text()
-    command = re.search(r"^python -m megatron_rl\.main (recipe=gsm8k_qwen2_gpu .*?)\n```", page, re.M | re.S).group(1)
+    command = re.search(r"^\.venv/bin/python -m megatron_rl\.main (recipe=gsm8k_qwen2_gpu .*?)\n```", page, re.M | re.S).group(1)
     args = [a.replace("/ckpt/my-model", str(hf_dir)).replace("../shared/data", str(GSM8K.parent.parent))
             for a in shlex.split(command.replace("\\\n", " "))]
     recipe, overrides = args[0].split("=", 1)[1], args[1:]

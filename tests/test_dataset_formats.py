@@ -165,7 +165,7 @@ def _prompts(path, tokenizer=None, **kwargs):
     ([{"text": "1=", "answer": 1}], "d.jsonl:1: no prompt field (looked for question, prompt, messages, problem; the "
                                     "row has: answer, text); set data.prompt_key=<field>"),
     ([{"question": "1=", "solution": 1}], "d.jsonl:1: no answer field (looked for answer, reward_model.ground_truth, "
-                                          "ground_truth; the row has: question, solution); set data.answer_key=<field>"),
+                                          "ground_truth, response, completion; the row has: question, solution); set data.answer_key=<field>"),
     ([{"question": "1=", "answer": 1}, {"question": "2=", "answer": None}],
      "d.jsonl:2: field 'answer' must be a non-empty string, a number or a list of acceptable answers, got null"),
     ([{"question": "1=", "answer": 1}, {"question": 5, "answer": 1}],

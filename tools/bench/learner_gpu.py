@@ -66,16 +66,18 @@ def step_flops(m, vocab: int, rows: int, seq: int) -> float:
 
 
 def batch(rng: random.Random, rows: int, seq: int, vocab: int):
+    from megatron_rl.learner.train_batch import TrainBatch
     from megatron_rl.types import Trajectory
 
     prompt_len = seq // 4
-    out = []
+    out, advantages = [], []
     for i in range(rows):
         prompt = [rng.randrange(vocab) for _ in range(prompt_len)]
         response = [rng.randrange(vocab) for _ in range(seq - prompt_len)]
         out.append(Trajectory(f"p{i // 8}", i % 8, prompt, response, [-2.0] * len(response), [0] * len(response),
-                              "length", advantage=rng.gauss(0.0, 1.0)))
-    return out
+                              "length"))
+        advantages.append(rng.gauss(0.0, 1.0))
+    return TrainBatch.of(out, advantages=[[a] * len(t.response_ids) for t, a in zip(out, advantages)])
 
 
 def synchronize() -> None:

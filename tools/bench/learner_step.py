@@ -35,19 +35,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def sort_digit_batch(rng: random.Random, groups: int, group_size: int, max_digits: int, tail: float = 1.5):
+    from megatron_rl.learner.train_batch import TrainBatch
     from megatron_rl.types import Trajectory
 
     lengths = list(range(2, max_digits + 1))
     weights = [(n - 1) ** -tail for n in lengths]
     batch: List[Trajectory] = []
+    advantages: List[float] = []
     for g in range(groups):
         n = rng.choices(lengths, weights)[0]
         prompt = [1] + [rng.randint(3, 12) for _ in range(n)] + [2]
         for s in range(group_size):
             response = [rng.randint(3, 12) for _ in range(n + 1)]
             batch.append(Trajectory(f"p{g}", s, prompt, response, [-2.0] * len(response), [0] * len(response),
-                                    "stop", advantage=rng.gauss(0.0, 1.0)))
-    return batch
+                                    "stop"))
+            advantages.append(rng.gauss(0.0, 1.0))
+    return TrainBatch.of(batch, advantages=[[a] * len(t.response_ids) for t, a in zip(batch, advantages)])
 
 
 def masked_forward(model, tokens):
