@@ -90,6 +90,24 @@ class RecordingEngine(RolloutEngine):
         await self.inner.shutdown()
 
 
+def recording_trainer(cfg):
+    """A Trainer whose engine records every call and whose trained groups are kept: returns
+    (trainer, trained), ``trained`` a list per step of its groups."""
+    from megatron_rl.trainer import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.engine = RecordingEngine(trainer.engine)
+    trained = []
+    real_train_on = trainer.train_on
+
+    def train_on(prompts, groups, version):
+        trained.append([list(g) for g in groups])
+        return real_train_on(prompts, groups, version)
+
+    trainer.train_on = train_on
+    return trainer, trained
+
+
 def check_token_for_token(groups, calls):
     """Every trajectory's model tokens (mask 1) are exactly an engine output (ids, logprobs,
     versions) whose prompt was exactly the trajectory's tokens before them; every other token has

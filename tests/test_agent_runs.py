@@ -13,7 +13,7 @@ import re
 import pytest
 
 from agent_helpers import (ArealStyleAgent, ElsewhereAgent, RecordingEngine, agent_overrides, check_token_for_token,
-                           closed_port, write_tokenizer)
+                           closed_port, recording_trainer, write_tokenizer)
 
 from megatron_rl.types import SamplingParams, Trajectory
 
@@ -27,19 +27,8 @@ def chat_tokenizer_dir(tmp_path_factory):
 
 def _trainer(tokenizer_dir, run_dir, workflow, *extra):
     from megatron_rl.config import load_config
-    from megatron_rl.trainer import Trainer
 
-    trainer = Trainer(load_config("tiny_cpu", [*agent_overrides(tokenizer_dir, run_dir, workflow), *extra]))
-    trainer.engine = RecordingEngine(trainer.engine)
-    trained = []
-    real_train_on = trainer.train_on
-
-    def train_on(prompts, groups, version):
-        trained.append([list(g) for g in groups])
-        return real_train_on(prompts, groups, version)
-
-    trainer.train_on = train_on
-    return trainer, trained
+    return recording_trainer(load_config("tiny_cpu", [*agent_overrides(tokenizer_dir, run_dir, workflow), *extra]))
 
 
 def _metrics(run_dir):

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from agent_helpers import GSM8K, RecordingEngine, agent_overrides, check_token_for_token, write_tokenizer
+from agent_helpers import (GSM8K, RecordingEngine, agent_overrides, check_token_for_token, recording_trainer,
+                           write_tokenizer)
 
 from megatron_rl.rollout.agent import Turn, run_trajectories
 from megatron_rl.rollout.agent.tool_calls import parse_tool_calls
@@ -68,19 +69,8 @@ def chat_tokenizer_dir(tmp_path_factory):
 
 def test_calculator_agent_trains_and_every_token_is_the_engines(megatron_world, chat_tokenizer_dir, tmp_path):
     from megatron_rl.config import load_config
-    from megatron_rl.trainer import Trainer
 
-    cfg = load_config("tiny_cpu", agent_overrides(chat_tokenizer_dir, tmp_path / "run"))
-    trainer = Trainer(cfg)
-    trainer.engine = RecordingEngine(trainer.engine)
-    trained = []
-    real_train_on = trainer.train_on
-
-    def train_on(prompts, groups, version):
-        trained.append([list(g) for g in groups])
-        return real_train_on(prompts, groups, version)
-
-    trainer.train_on = train_on
+    trainer, trained = recording_trainer(load_config("tiny_cpu", agent_overrides(chat_tokenizer_dir, tmp_path / "run")))
     summary = trainer.run()
     assert summary["steps"] == 2 and len(trained) == 2
     groups = [g for batch in trained for g in batch]

@@ -15,25 +15,15 @@ if _REASON:
         pytest.fail(f"MEGATRON_RL_REQUIRE_VLLM=1 but {_REASON}", pytrace=False)
     pytest.skip(f"vLLM agent test skipped: {_REASON}", allow_module_level=True)
 
-from agent_helpers import RecordingEngine, agent_overrides, check_token_for_token, write_tokenizer  # noqa: E402
+from agent_helpers import agent_overrides, check_token_for_token, recording_trainer, write_tokenizer  # noqa: E402
 
 
 def test_calculator_agent_trains_against_vllm_token_for_token(megatron_world, tmp_path):
     from megatron_rl.config import load_config
-    from megatron_rl.trainer import Trainer
 
     write_tokenizer(tmp_path / "tokenizer")
-    cfg = load_config("tiny_cpu_vllm", agent_overrides(tmp_path / "tokenizer", tmp_path / "run"))
-    trainer = Trainer(cfg)
-    trainer.engine = RecordingEngine(trainer.engine)
-    trained = []
-    real_train_on = trainer.train_on
-
-    def train_on(prompts, groups, version):
-        trained.append([list(g) for g in groups])
-        return real_train_on(prompts, groups, version)
-
-    trainer.train_on = train_on
+    trainer, trained = recording_trainer(load_config("tiny_cpu_vllm", agent_overrides(tmp_path / "tokenizer",
+                                                                                      tmp_path / "run")))
     assert trainer.run()["steps"] == 2
     used, trajs = check_token_for_token([g for batch in trained for g in batch], trainer.engine.calls)
     assert len(used) > len({(t.prompt_uid, t.sample_index) for t in trajs})  # multi-turn runs
