@@ -40,6 +40,7 @@ def die_with_parent(parent_pid: int) -> bool:
 
 
 _writer_manager = None
+_writer_queue = None
 
 
 def _checkpoint_writer_init(parent_pid: int) -> None:
@@ -52,29 +53,35 @@ def _checkpoint_writer_init(parent_pid: int) -> None:
     die_with_parent(parent_pid)
 
 
+def _results_queue():
+    """The writer's results queue, from a Manager of ours that is alive. The parent-death signal
+    follows the thread that started the Manager: when that thread ends (the learner thread of a
+    trainer that finished, in a process that goes on, e.g. a test), the Manager is killed with
+    it, and the next save starts another one instead of failing on the dead one's queue."""
+    global _writer_manager, _writer_queue
+    process = getattr(_writer_manager, "_process", None)
+    if _writer_queue is None or process is None or not process.is_alive():
+        import multiprocessing as mp
+        from multiprocessing.managers import SyncManager
+
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        manager.start(initializer=_checkpoint_writer_init, initargs=(os.getpid(),))
+        _writer_manager, _writer_queue = manager, manager.Queue()
+    return _writer_queue
+
+
 def checkpoint_writer_dies_with_us() -> None:
     """megatron-core's checkpoint writer collects results through a multiprocessing Manager,
     a server process it starts on first save and that watches nothing: after a SIGKILL of this
     process it would live on, orphaned, and a TERM meant for the trainer (preemption) would kill
-    it mid-save. Start that Manager here, with a parent-death signal and TERM ignored, and hand
-    Megatron its queue (idempotent)."""
-    global _writer_manager
+    it mid-save. Have Megatron take its queue from a Manager of ours instead (``_results_queue``:
+    a parent-death signal, TERM ignored, started again if it died). Idempotent."""
     forks_die_with_us()
-    if _writer_manager is not None:
-        return
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
     except ImportError:
         return
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return  # already made by Megatron (before this was called): nothing to replace
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_checkpoint_writer_init, initargs=(os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
-    _writer_manager = manager
+    filesystem_async._get_write_results_queue = _results_queue
 
 
 _fork_hook = False
@@ -89,7 +96,11 @@ def forks_die_with_us() -> None:
     global _fork_hook
     if _fork_hook or not hasattr(os, "register_at_fork"):
         return
-    os.register_at_fork(after_in_child=lambda: die_with_parent(os.getppid()))
+    # The parent's pid is taken before the fork: read in the child, a parent killed before the
+    # child armed its signal would already read as the child's new parent (init or a subreaper).
+    parent = {"pid": os.getpid()}
+    os.register_at_fork(before=lambda: parent.update(pid=os.getpid()),
+                        after_in_child=lambda: die_with_parent(parent["pid"]))
     _fork_hook = True
 
 

@@ -77,3 +77,26 @@ def test_a_process_forked_after_forks_die_with_us_dies_with_its_parent():
         owner.kill()
         owner.wait()
     assert not alive_after([child], 10), "the forked child outlived its killed parent"
+
+
+def test_the_checkpoint_writer_comes_back_after_the_thread_that_started_it_ends():
+    """The writer's Manager dies with the thread that started it (its parent-death signal follows
+    that thread): a trainer's learner thread, in a process that goes on. The next save gets a
+    new one instead of the dead one's queue."""
+    import threading
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_rl import lifetime
+
+    starter = threading.Thread(target=lambda: (lifetime.checkpoint_writer_dies_with_us(), lifetime._results_queue()))
+    starter.start()
+    starter.join()
+    first = lifetime._writer_manager
+    deadline = time.time() + 20
+    while first._process.is_alive() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not first._process.is_alive()
+    queue = filesystem_async._get_write_results_queue()
+    queue.put("written")
+    assert queue.get(timeout=10) == "written" and lifetime._writer_manager is not first
