@@ -74,6 +74,7 @@ class Command:
     text: str          # as written, continuation lines joined
     exports: List[str]  # the block's `export` lines before it: a reader's shell has them
     needs: Optional[str]
+    block: int = 0     # the line of its block's first command: a block's commands run in order
 
     @property
     def id(self) -> str:
@@ -118,7 +119,7 @@ def page_commands(page: Path) -> List[Command]:
             if text.startswith("export "):
                 exports.append(text)
                 continue
-            found.append(Command(name, start, text, list(exports), marker or needs_of(put_stand_ins(text, ""))))
+            found.append(Command(name, start, text, list(exports), marker or needs_of(put_stand_ins(text, "")), first))
     return found
 
 
@@ -150,7 +151,8 @@ def put_stand_ins(text: str, sandbox: str, page: str = "") -> str:
     for placeholder, stand_in in STAND_INS.items():
         # An absolute placeholder only where a path starts: ~/data/ is not /data/.
         start = r"(?<![\w~./-])" if placeholder.startswith("/") else ""
-        text = re.sub(start + re.escape(placeholder), stand_in.format(sandbox=sandbox, page=Path(page).stem).replace("\\", r"\\"), text)
+        replacement = stand_in.format(sandbox=sandbox, page=Path(page).stem)
+        text = re.sub(start + re.escape(placeholder), lambda _, r=replacement: r, text)
     return text
 
 
