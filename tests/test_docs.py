@@ -4,10 +4,18 @@ test, the README stays short, no development diary creeps into user-facing text,
 of the pages runs as written (one training step each) or is skipped naming what it needs
 (tests/doc_commands.py; about 90 s on the 2-core box)."""
 
+import hashlib
+import json
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+import doc_commands
+import doc_python
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -114,15 +122,6 @@ def test_doc_images_window_and_reward_curve():
 
 # --- every command of the pages, run or skipped with what it needs (tests/doc_commands.py) ---
 
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-
-import pytest  # noqa: E402
-
-import doc_commands  # noqa: E402
-import doc_python  # noqa: E402
-
 COMMANDS = doc_commands.all_commands()
 # The repository's entries the pages' commands name, linked into the sandbox.
 LINKED = ["launch", "tools", "recipes", "tests", "slurm", "docs", "megatron_rl", "setup.py", "requirements.txt",
@@ -168,8 +167,6 @@ def _data_stand_ins(sandbox: Path, home: Path) -> None:
 def doc_sandbox(tmp_path_factory):
     """A folder that looks like a clone with its .venv, where the pages' commands run; its
     `.venv/bin/python` is a preloaded interpreter (tests/doc_python.py)."""
-    import subprocess
-    import sys
 
     base = tmp_path_factory.mktemp("docs")
     sandbox, home = base / "repo", base / "home"
@@ -226,8 +223,6 @@ def test_commands_use_the_venv_python():
 
 
 def _run_in_sandbox(command, sandbox: Path, env, ran) -> None:
-    import subprocess
-
     run_dir = sandbox / "runs" / "doc" / command.id.replace("/", "_").replace(":", "_")
     script = doc_commands.runnable(command, str(sandbox), str(run_dir))
     done = subprocess.run(["bash", "-c", script], cwd=sandbox, env=env, capture_output=True, text=True, timeout=300)
