@@ -33,10 +33,10 @@ def tiny_cfg():
     return load_config("tiny_cpu", ["trainer.progress=false"])
 
 
-# The longest files first (about 650, 320, 220 and 140 s on the 2-core CI box): tests/run.sh runs
+# The longest files first (about 650, 320, 220, 140 and 90 s on the 2-core CI box): tests/run.sh runs
 # each file whole on one xdist worker (--dist loadfile), and a long file handed out last would
 # run alone at the end. A stable sort: the order within a file and among the rest is kept.
-LONGEST_FILES = ("test_world.py", "test_algorithms_learn.py", "test_slurm.py", "test_resume.py")
+LONGEST_FILES = ("test_world.py", "test_algorithms_learn.py", "test_slurm.py", "test_resume.py", "test_docs.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -17,6 +17,18 @@ def test_tiny_cpu_loads_and_overrides():
     assert cfg.model.num_layers == 2
 
 
+def test_a_path_from_the_home_folder_on_the_command_line(tmp_path, monkeypatch):
+    """bash leaves ~ after a dotted key (data.path=~/x) as it is; Hydra's grammar would refuse it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text('{"question": "7434=", "answer": "3447"}\n')
+    cfg = load_config("tiny_cpu", ["data.name=file", "data.path=~/rows.jsonl", "trainer.run_dir=~"])
+    assert cfg.data.path == str(tmp_path / "rows.jsonl") and cfg.trainer.run_dir == str(tmp_path)
+    from megatron_rl.config.load import _home_expanded
+
+    kept = ["~trainer.run_dir", "data.system_prompt=a~b"]  # Hydra's delete; a ~ inside a value
+    assert _home_expanded(kept) == kept
+
+
 @pytest.mark.parametrize(
     "override, fragment",
     [

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import typing
 from typing import Any, Dict, List, Sequence
 
@@ -103,6 +104,18 @@ def _into_dicts(overrides: Sequence[str]) -> List[str]:
     return out
 
 
+def _home_expanded(overrides: Sequence[str]) -> List[str]:
+    """``data.path=~/data/x`` with the home folder put in: a shell expands ``~`` only after a
+    variable name (``recipe=~/x``), not after a dotted key, and Hydra's grammar refuses it."""
+    out = []
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        if sep and not key.startswith("~") and (value == "~" or value.startswith("~/")):
+            text = f"{key}={os.path.expanduser(value)}"
+        out.append(text)
+    return out
+
+
 def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence[str] = ()) -> RootConfig:
     """Merge a composed config onto the schema (type-checked) and validate its values."""
     try:
@@ -150,7 +163,7 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distrib
     register_configs()
     search_path, config_name = recipe_location(recipe)
     check_overrides(overrides)
-    overrides = _into_dicts(overrides)
+    overrides = _into_dicts(_home_expanded(overrides))
     with hydra_search_path(search_path):
         try:
             cfg = compose(config_name=config_name, overrides=list(overrides))
