@@ -4,8 +4,6 @@ on the datasets they come with; a returned dict's other numbers become reward/ex
 
 import asyncio
 import json
-import sys
-import textwrap
 
 import pytest
 
@@ -17,6 +15,7 @@ from megatron_rl.rewards.user import load_user_reward
 from megatron_rl.rewards.worker import RewardInput
 
 from test_dataset_formats import CHAT_TEXTS, verl_rows, write_jsonl, write_parquet
+from user_packages import user_package
 
 REWARDS = '''
 import json
@@ -75,15 +74,9 @@ def verl_returns_text(data_source, solution_str, ground_truth):
 
 @pytest.fixture
 def rewards_pkg(tmp_path, monkeypatch):
-    pkg = tmp_path / "sigpkg_rewards"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
     log = tmp_path / "calls.jsonl"
-    (pkg / "scoring.py").write_text(textwrap.dedent(REWARDS.format(log=str(log))))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "sigpkg_rewards.scoring", log
-    for name in [m for m in sys.modules if m.startswith("sigpkg_rewards")]:
-        del sys.modules[name]
+    with user_package(tmp_path, monkeypatch, "sigpkg_rewards", {"scoring": REWARDS.format(log=str(log))}):
+        yield "sigpkg_rewards.scoring", log
 
 
 def _calls(log):

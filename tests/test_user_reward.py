@@ -4,8 +4,6 @@ signature or return value is one clear line; the code reward judges programs in 
 import asyncio
 import json
 import re
-import sys
-import textwrap
 
 import pytest
 
@@ -16,16 +14,14 @@ from megatron_rl.rewards import RewardRunner
 from megatron_rl.rewards.code import code_tests, extract_program, judge, parse_cases
 from megatron_rl.rewards.user import build_reward, load_user_reward
 
+from user_packages import user_package
 
 
 @pytest.fixture
 def user_rewards(tmp_path, monkeypatch):
     """A package ``userpkg_rewards`` with good and bad reward functions; calls are logged to a file."""
-    pkg = tmp_path / "userpkg_rewards"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
     log = tmp_path / "calls.log"
-    (pkg / "scoring.py").write_text(textwrap.dedent(f"""
+    scoring = f"""
         import asyncio
 
         LOG = {str(log)!r}
@@ -52,11 +48,9 @@ def user_rewards(tmp_path, monkeypatch):
 
         def raises(completion, target):
             raise KeyError("no such field")
-    """))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    yield "userpkg_rewards.scoring", log
-    for name in [m for m in sys.modules if m.startswith("userpkg_rewards")]:
-        del sys.modules[name]  # the next test's package lies in another tmp_path
+    """
+    with user_package(tmp_path, monkeypatch, "userpkg_rewards", {"scoring": scoring}):
+        yield "userpkg_rewards.scoring", log
 
 
 def _train(tmp_path, reward_fn):
