@@ -89,6 +89,11 @@ def test_the_checkpoint_writer_comes_back_after_the_thread_that_started_it_ends(
 
     from megatron_rl import lifetime
 
+    # A Manager of this process started by the main thread (an earlier test's save) would stay:
+    # this test starts its own from a thread.
+    if lifetime._writer_manager is not None:
+        lifetime._writer_manager.shutdown()
+    lifetime._writer_manager = lifetime._writer_queue = None
     starter = threading.Thread(target=lambda: (lifetime.checkpoint_writer_dies_with_us(), lifetime._results_queue()))
     starter.start()
     starter.join()

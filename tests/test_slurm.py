@@ -161,7 +161,10 @@ def test_scancel_ends_the_job_for_good(slurm, tmp_path):
     job = _ended(tmp_path, job_id)
     log = _log(tmp_path)
     assert job.get("JobState") == "CANCELLED" and job.get("Restarts") == "0", (job, log)
-    assert "cancelled (TERM)" in log and "requeueing" not in log and "attempt 2" not in log, log
+    # The batch shell's TERM handler reports it; or, when Slurm's TERM reaches the batch shell
+    # after srun asked for a step of the ending job, srun's refusal does (seen on a loaded box).
+    assert "cancelled (TERM)" in log or "has expired" in log, log
+    assert "requeueing" not in log and "attempt 2" not in log, log
 
 
 def test_a_crash_after_the_warning_is_not_requeued(slurm, tmp_path):

@@ -80,6 +80,17 @@ def render(spec: JobSpec) -> str:
 set -uo pipefail
 RUN_DIR={shlex.quote(str(run_dir))}
 STOP_FILE="$RUN_DIR/{STOP_FILE}"
+# The signals' handlers come first: a scancel may arrive while the job is still setting up.
+warned=0
+cancelled=0
+pid=""
+# USR1: the time limit is near; checkpoint, stop, requeue. TERM: scancel (or Slurm preempting the
+# job, which requeues it itself); pass it on and do not requeue.
+on_warning() {{ warned=1; echo "megatron_rl: stop requested (USR1) at $(date -Is)"; touch "$STOP_FILE"; }}
+on_cancel() {{ cancelled=1; echo "megatron_rl: cancelled (TERM) at $(date -Is)"; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; }}
+trap on_warning USR1
+trap on_cancel TERM
+
 # The trainer's own exit status (torchrun reports any failed rank as 1).
 export {EXIT_FILE_ENV}="$RUN_DIR/slurm/exit-status-$SLURM_JOB_ID"
 rm -f "$STOP_FILE" "${EXIT_FILE_ENV}"   # a request, a status of an earlier attempt are done
@@ -96,16 +107,10 @@ export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 NCCL_NVLS_ENABLE=0 NCCL_DEBUG=${{NCCL_D
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 RDZV_PORT={port}
 
-warned=0
-cancelled=0
-pid=""
-# USR1: the time limit is near; checkpoint, stop, requeue. TERM: scancel (or Slurm preempting the
-# job, which requeues it itself); pass it on and do not requeue.
-on_warning() {{ warned=1; echo "megatron_rl: stop requested (USR1) at $(date -Is)"; touch "$STOP_FILE"; }}
-on_cancel() {{ cancelled=1; echo "megatron_rl: cancelled (TERM) at $(date -Is)"; [ -n "$pid" ] && kill -TERM "$pid" 2>/dev/null; }}
-trap on_warning USR1
-trap on_cancel TERM
-
+if [ "$cancelled" -eq 1 ]; then  # cancelled before the training started: do not start it
+  echo "megatron_rl: training not started"
+  exit 143
+fi
 srun --kill-on-bad-exit=1 {spec.python} -m torch.distributed.run \\
   --nnodes="$SLURM_NNODES" --nproc-per-node={spec.ranks_per_node} \\
   --rdzv-backend=c10d --rdzv-endpoint="$HEAD_NODE:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}" \\
