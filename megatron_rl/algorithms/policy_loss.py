@@ -215,4 +215,3 @@ def aggregate_loss(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "to
     if mode == "seq-mean-token-sum-norm":
         return masked.sum(), rows.sum() * norm_length
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGG_MODES}")
-

@@ -114,10 +114,14 @@ class Learner:
         self.optimizer_steps = 0
         self.skipped_in_a_row = 0
         self.correction = Correction(**dataclasses.asdict(cfg.correction))
-        # The learner recipe's own loss (SFT's nll) or algo.policy_loss.
         from .recipes import recipe_for
 
-        self.policy_loss = recipe_for(cfg.algo.name).policy_loss or cfg.algo.policy_loss
+        recipe = recipe_for(cfg.algo.name)
+        # The learner recipe's own loss (SFT's nll) or algo.policy_loss.
+        self.policy_loss = recipe.policy_loss or cfg.algo.policy_loss
+        # Whether the samples are the engine's (with its logprobs), not a dataset's own responses
+        # (SFT: no behaviour logprobs to compare, no ratio, so no proximal pass either).
+        self.engine_samples = not recipe.samples_from_data
         # The policy version being trained (train_step's ``version``): what correction.max_version_gap
         # measures each token's age against.
         self._version: Optional[int] = None
@@ -220,8 +224,7 @@ class Learner:
         # separate forward pass over the batch is skipped.
         self._proximal_in_forward = (cfg.learner.mini_batches == 1 and cfg.learner.ppo_epochs == 1
                                      and not self.force_proximal_forward)
-        # (A likelihood loss has no ratio: no proximal pass.)
-        if not self._proximal_in_forward and not batch.has("proximal_logprobs") and self.policy_loss != "nll":
+        if not self._proximal_in_forward and not batch.has("proximal_logprobs") and self.engine_samples:
             batch = batch.with_fields(proximal_logprobs=self.compute_logprobs(batch, temperature))
         if self.ref_model is not None and not batch.has("ref_logprobs"):
             batch = batch.with_fields(ref_logprobs=self.compute_logprobs(batch, temperature, reference=True))
@@ -295,7 +298,7 @@ class Learner:
         # What the optimizer step averages over (Megatron divides by the summed denominators).
         objective, denominator = aggregate_loss(loss, train, algo.loss_agg_mode, self.cfg.rollout.max_new_tokens)
         stats.update(loss_sum=total.detach(), entropy_sum=(entropy.detach() * mask).sum(), tokens=num_tokens.detach())
-        if self.policy_loss != "nll":  # SFT's samples have no engine logprobs to compare
+        if self.engine_samples:
             # |learner - engine| logprob gap on the sampled tokens: should be ~0 on-policy.
             stats["behav_logprob_gap_sum"] = ((proximal - mb.behav_logprobs).abs() * mask).sum()
         return objective, denominator.round().to(torch.int), stats
