@@ -129,37 +129,53 @@ def _graph_nodes(tensor: torch.Tensor) -> set:
 
 
 def test_expert_gradients_added_into_main_grad_equal_the_per_parameter_hooks(megatron_world):
-    """The learner's grouped experts add their weight gradients straight into the data-parallel
-    wrapper's main_grad buffers; the buffers hold what the per-parameter hooks would have added."""
+    """The learner's experts are two stacked parameters per layer, whose weight gradients the
+    grouped matmuls add straight into the data-parallel wrapper's main_grad buffers; the buffers
+    hold what the per-parameter hooks would have added, and each expert's slice what
+    SequentialMLP's loop gives that expert's weights."""
     from megatron_rl.config.schema import LearnerConfig
     from megatron_rl.learner.learner import forward_logits
     from megatron_rl.learner.megatron_step import wrap_for_training
     from megatron_rl.models.grouped_moe import GroupedExperts
 
     tokens = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(2))
+    weights = None
     main_grads, expert_grads = [], []
     for into_main_grad in (True, False):
-        model = _twin_models()[1]
+        sequential, model = _twin_models()
         wrapped, _ = wrap_for_training(model, LearnerConfig(), bf16=False, lr=1e-3)
         experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
-        assert experts and all(m.into_main_grad for m in experts)  # switched on by the wrapper
+        assert experts and all(m.into_main_grad and m.parameters_stacked for m in experts)  # by the wrapper
+        assert sum(1 for n, _ in model.named_parameters() if "experts" in n) == 2 * len(experts)
         for m in experts:
             m.into_main_grad = into_main_grad
         wrapped.zero_grad_buffer()
         for _ in range(2):  # two micro-batches accumulate
             logits = forward_logits(wrapped.train(), tokens)
-            loss = (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum()
-            assert ("_GroupedLinearIntoMainGradBackward" in _graph_nodes(loss)) == into_main_grad
-            loss.backward()
+            weights = torch.linspace(-1, 1, logits.numel()).view_as(logits)
+            assert ("_GroupedLinearIntoMainGradBackward" in _graph_nodes((logits * weights).sum())) == into_main_grad
+            (logits * weights).sum().backward()
         main_grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
-        expert_grads.append([e.linear_fc1.weight.grad for m in experts for e in m.local_experts])
+        expert_grads.append([m.linear_fc1_weights.grad for m in experts])
     fused, hooked = main_grads
     assert fused.keys() == hooked.keys()
     for name, grad in hooked.items():
         torch.testing.assert_close(fused[name], grad, atol=TOL, rtol=0, msg=name)
-    moved = [n for n in hooked if "local_experts" in n]
-    assert sum(bool(hooked[n].abs().max() > 0) for n in moved) > len(moved) // 2
-    assert all(g is None for g in expert_grads[0])  # no per-parameter gradient went through autograd
+    assert all(g is None for g in expert_grads[0])  # no expert gradient went through autograd
+    # Against SequentialMLP's per-expert parameters, two micro-batches' worth.
+    sequential.zero_grad(set_to_none=True)
+    for _ in range(2):
+        (forward_logits(sequential.train(), tokens) * weights).sum().backward()
+    reference = {n: p.grad for n, p in sequential.named_parameters()}
+    stacked = [n for n in fused if n.endswith("_weights")]
+    assert stacked
+    for name in stacked:
+        layer = name.split(".mlp.")[0]
+        projection = "linear_fc1" if "linear_fc1" in name else "linear_fc2"
+        for e, grad in enumerate(fused[name]):
+            torch.testing.assert_close(grad, reference[f"{layer}.mlp.experts.local_experts.{e}.{projection}.weight"],
+                                       atol=TOL, rtol=0, msg=f"{name}[{e}]")
+    assert sum(bool(fused[n][e].abs().max() > 0) for n in stacked for e in range(4)) > 2 * len(stacked)
 
 
 def test_stacked_engine_weights_are_the_parameters(megatron_world):
@@ -319,3 +335,52 @@ def test_replay_under_activation_recompute_gives_the_same_gradients(megatron_wor
     expected, got = grads(plain), grads(recomputed)
     for name, grad in expected.items():
         torch.testing.assert_close(got[name], grad, atol=TOL, rtol=0, msg=name)
+
+
+def _one_step(wrapped, optimizer, tokens):
+    from megatron_rl.learner.learner import forward_logits
+
+    wrapped.zero_grad_buffer()
+    optimizer.zero_grad()
+    logits = forward_logits(wrapped.train(), tokens)
+    (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+    wrapped.finish_grad_sync()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("saved_by", ["stacked", "sequential"])
+def test_checkpoints_move_between_stacked_and_per_expert_parameters(megatron_world, tmp_path, saved_by):
+    """A distributed checkpoint (weights and Adam moments) of the learner's stacked experts loads
+    into SequentialMLP's per-expert parameters and the other way round: the next step of both
+    gives the same weights."""
+    from types import SimpleNamespace
+
+    from megatron_rl.checkpoint.save import load_checkpoint, save_checkpoint
+    from megatron_rl.config.schema import LearnerConfig
+    from megatron_rl.learner.megatron_step import wrap_for_training
+
+    tokens = torch.randint(0, VOCAB, (3, 11), generator=torch.Generator().manual_seed(4))
+    learners = {}
+    for kind in ("sequential", "stacked"):
+        model = _twin_models()[0 if kind == "sequential" else 1]
+        wrapped, optimizer = wrap_for_training(model, LearnerConfig(), bf16=False, lr=1e-2)
+        assert any(n.endswith("_weights") for n, _ in model.named_parameters()) == (kind == "stacked")
+        learners[kind] = SimpleNamespace(module=model, model=wrapped, optimizer=optimizer)
+    saver = learners[saved_by]
+    loader = learners["stacked" if saved_by == "sequential" else "sequential"]
+    _one_step(saver.model, saver.optimizer, tokens)
+    path = save_checkpoint(saver, tmp_path, step=1, trainer_state={})
+    load_checkpoint(loader, path)
+    saved = {k: v.clone() for k, v in saver.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    for name, value in loader.module.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, saved[name], atol=0, rtol=0, msg=name)
+    for learner in (saver, loader):
+        _one_step(learner.model, learner.optimizer, tokens)
+    after = saver.module.state_dict()
+    moved = 0
+    for name, value in loader.module.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            torch.testing.assert_close(value, after[name], atol=TOL, rtol=0, msg=name)
+            moved += "local_experts" in name and not torch.equal(value, saved[name])
+    assert moved > 4  # the second step used the loaded Adam moments of the experts

@@ -22,6 +22,7 @@ from ..algorithms.rollout_correction import Correction, rollout_correction
 from ..config.schema import RootConfig
 from ..config.validate import ConfigError, routing_replay_on
 from ..models.gpt import build_gpt_model, model_device
+from ..models.grouped_moe import stack_expert_parameters
 from ..models.hf_names import megatron_to_hf
 from ..models.pretrained import load_pretrained
 from ..models.routing import RoutingReplay, foreign_moe_layers
@@ -78,6 +79,7 @@ def build_teacher(cfg: RootConfig, vocab_size: int) -> torch.nn.Module:
     lc = cfg.learner
     teacher = build_gpt_model(model_cfg, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
     load_pretrained(teacher, model_cfg, path)
+    stack_expert_parameters(teacher)  # its forwards then read the experts' weights in place
     return teacher.requires_grad_(False).eval()
 
 
@@ -107,6 +109,7 @@ class Learner:
         self.ref_model: Optional[torch.nn.Module] = None
         if cfg.algo.kl_coef > 0:
             self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
+            stack_expert_parameters(self.ref_model)
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
         # On-policy distillation: the frozen teacher, its own architecture, the learner's layout.

@@ -29,7 +29,7 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from ..models.grouped_moe import accumulate_expert_grads_into_main_grad
+    from ..models.grouped_moe import accumulate_expert_grads_into_main_grad, stack_expert_parameters
     from .multi_tensor import use_foreach_copies, use_foreach_kernels
 
     ddp_config = DistributedDataParallelConfig(
@@ -37,6 +37,9 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
         overlap_grad_reduce=False,
         use_distributed_optimizer=lc.use_distributed_optimizer,
     )
+    # Two parameters per MoE layer's experts, not two per expert: the wrapper and the optimizer
+    # below loop over parameters in Python.
+    stack_expert_parameters(model)
     wrapped = _scalar_scaled_ddp_class()(config=model.config, ddp_config=ddp_config, module=model)
     # Replicas start from data-parallel rank 0's weights (experts from their expert-DP rank 0),
     # whatever each rank's random state did during the build: megatron-core initialises the MoE

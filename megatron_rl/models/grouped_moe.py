@@ -7,18 +7,18 @@ expert's rows by that expert's weight in one kernel (CUTLASS on sm90, a referenc
 with the group boundaries as a device tensor, so nothing waits for the host.
 
 - ``GroupedExperts`` is a ``SequentialMLP`` (same per-expert parameters, state dicts, checkpoint
-  layout, Hugging Face names) whose forward stacks the local experts' weights and runs the two
-  grouped matmuls. Under megatron-core's token dispatchers (expert or tensor parallelism) it is a
-  drop-in replacement for the loop.
+  layout, Hugging Face names) whose forward runs the two grouped matmuls. Under megatron-core's
+  token dispatchers (expert or tensor parallelism) it is a drop-in replacement for the loop. The
+  learner's models hold each layer's experts as two stacked parameters instead
+  (``stack_expert_parameters``), behind hooks that keep the per-expert state-dict names and
+  distributed-checkpoint layout.
 - ``GroupedMoELayer`` is a ``MoELayer`` that, with one expert-parallel and one tensor-parallel
   rank, routes, sorts tokens by expert and combines their outputs on the device with static
   shapes (every token has exactly top-k rows): no ``.cpu()``, no ``.tolist()``, so the rollout
   engine's decode step can be captured in a CUDA graph. It can also keep each forward's chosen
   experts (``record_choices``) for routing replay (models/routing.py).
-- ``stack_expert_weights`` (rollout engine only) makes each layer's per-expert weights views of
-  one stacked tensor, so decode steps read them in place instead of stacking them every step.
-  The learner stacks per forward (a copy of the local experts' weights: Megatron's data-parallel
-  wrapper moves parameters into its own buffers, which would break such views).
+- ``stack_expert_weights`` (rollout engine) makes each layer's per-expert weights views of one
+  stacked tensor, so decode steps read them in place instead of stacking them every step.
 """
 
 from __future__ import annotations
@@ -89,6 +89,16 @@ def _zero_unrouted(grad_w: torch.Tensor, routed: torch.Tensor, dtype: torch.dtyp
 _ZERO_UNROUTED = CompiledOrEager(_zero_unrouted, "expert weight-gradient conversion")
 
 
+def _add_routed(main_grad: torch.Tensor, grad_w: torch.Tensor, routed: torch.Tensor) -> None:
+    """``main_grad += grad_w`` (converted to its dtype) for the experts that got rows."""
+    main_grad.add_(torch.where(routed[:, None, None], grad_w.to(main_grad.dtype), 0))
+
+
+# One pass on a GPU: reads the bf16 gradient and the fp32 buffer, writes the buffer (~10 bytes
+# per weight; converting, then adding, moves ~18).
+_ADD_ROUTED = CompiledOrEager(_add_routed, "expert weight-gradient accumulation")
+
+
 def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
                          dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """grad_w[e] = grad[rows of e].T @ x[rows of e], zero for an expert with no rows, in
@@ -102,10 +112,11 @@ def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
 
 class _GroupedLinearIntoMainGrad(torch.autograd.Function):
     """``_GroupedLinear`` for weights wrapped by Megatron's data-parallel module: the weight
-    gradient is added straight into each expert's fp32 ``main_grad`` with one multi-tensor add.
-    Through autograd it would be split back over the 2 × experts parameters of the layer, each
-    with its own gradient-accumulation node, hook and add kernel (~1,000 of each per step for 4
-    layers of 128 experts: host-bound). ``w`` is the detached stack of the weights."""
+    gradient is added straight into the fp32 ``main_grad`` buffers: one per expert (per-expert
+    parameters, one multi-tensor add) or one for the stacked parameter. Through autograd it would
+    go through each parameter's gradient-accumulation node and hook (per expert: ~1,000 of each
+    per step for 4 layers of 128 experts, host-bound) and a bf16 ``grad`` before the fp32 add.
+    ``w`` is the detached (stack of the) weights."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, main_grads) -> torch.Tensor:
@@ -119,8 +130,14 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
         grad = grad.contiguous()
         # In the buffers' dtype (fp32): the multi-tensor add takes its fused path only for lists of
         # one dtype (mixed, it adds tensor by tensor).
-        grad_w = _grouped_weight_grad(grad, x, ends, ctx.main_grads[0].dtype)
-        torch._foreach_add_(ctx.main_grads, list(grad_w.unbind(0)))
+        main_grads = ctx.main_grads
+        if len(main_grads) == 1 and main_grads[0].dim() == 3:  # one stacked parameter
+            grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
+            counts = torch.diff(ends, prepend=ends.new_zeros(1))
+            _ADD_ROUTED(main_grads[0], grad_w, counts > 0)
+        else:
+            grad_w = _grouped_weight_grad(grad, x, ends, main_grads[0].dtype)
+            torch._foreach_add_(main_grads, list(grad_w.unbind(0)))
         return torch._grouped_mm(grad, w, offs=ends), None, None, None
 
 
@@ -198,13 +215,19 @@ class _RowsByToken(torch.autograd.Function):
 
 
 class GroupedExperts(SequentialMLP):
-    """The local experts of one MoE layer as grouped matmuls (same parameters as SequentialMLP)."""
+    """The local experts of one MoE layer as grouped matmuls (same parameters as SequentialMLP,
+    or, after ``stack_parameters``, the same weights as two stacked parameters)."""
+
+    # The stacked parameters' names (``stack_parameters``): [experts, out, in] each.
+    STACKED = ("linear_fc1_weights", "linear_fc2_weights")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # Set by stack_expert_weights (engine): stacked [experts, out, in] tensors the per-expert
         # weights are views of.
         self.stacked: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        # Set by stack_parameters (learner): the weights are two stacked parameters.
+        self.parameters_stacked = False
         # Set by accumulate_expert_grads_into_main_grad (learner): weight gradients go straight
         # into the data-parallel wrapper's main_grad buffers.
         self.into_main_grad = False
@@ -218,17 +241,99 @@ class GroupedExperts(SequentialMLP):
 
     def weights(self) -> Tuple[torch.Tensor, torch.Tensor]:
         """(fc1 [experts, 2·ffn, hidden], fc2 [experts, hidden, ffn]) of the local experts."""
+        if self.parameters_stacked:
+            return self.linear_fc1_weights, self.linear_fc2_weights
         if self.stacked is not None:
             return self.stacked
         fc1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         fc2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
         return fc1, fc2
 
+    def first_weight(self) -> Optional[torch.Tensor]:
+        """A weight of the local experts (its dtype and device are all of theirs), None without."""
+        if self.parameters_stacked:
+            return self.linear_fc1_weights
+        return self.local_experts[0].linear_fc1.weight if self.local_experts else None
+
+    # ------------------------------------------------------------------ stacked parameters
+    @torch.no_grad()
+    def stack_parameters(self) -> bool:
+        """Hold the local experts' weights as two parameters, fc1 [experts, 2·ffn, hidden] and
+        fc2 [experts, hidden, ffn], instead of two per expert: what a trained model wants.
+        Megatron's data-parallel wrapper and optimizer handle each parameter in Python loops
+        (gradient hooks, fp32 copies, norms, the copy-back): with 128 experts × 4 layers that was
+        1,024 tensors, ~30-40 ms of host time per step while the GPU idled, and each forward
+        copied the weights into a stack for the grouped matmuls. Call before the model is wrapped
+        for training. State dicts and distributed checkpoints keep SequentialMLP's per-expert
+        names and layout (hooks below), so checkpoints, Hugging Face conversion and weight
+        updates see no difference. Only where the grouped matmuls run and one expert-TP rank
+        holds whole experts; returns whether the layer was stacked."""
+        if (self.parameters_stacked or self.stacked is not None or not self.local_experts
+                or not self._grouped_supported() or self.config.moe_apply_probs_on_input
+                or self.tp_group.size() != 1):
+            return False
+        for projection, name in zip(("linear_fc1", "linear_fc2"), self.STACKED):
+            per_expert = [getattr(e, projection).weight for e in self.local_experts]
+            stacked = torch.nn.Parameter(torch.stack([w.detach() for w in per_expert]),
+                                         requires_grad=per_expert[0].requires_grad)
+            # Megatron's markers (expert vs data-parallel reduction, TP split): the expert axis
+            # comes first now, so a TP partition dimension moves one along.
+            for attr, value in vars(per_expert[0]).items():
+                if not attr.startswith("_"):
+                    setattr(stacked, attr, value + 1 if attr == "partition_dim" else value)
+            setattr(self, name, stacked)
+        self.local_experts = torch.nn.ModuleList()
+        self.parameters_stacked = True
+        self.register_state_dict_post_hook(_per_expert_state)
+        self.register_load_state_dict_pre_hook(_stacked_state)
+        return True
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """SequentialMLP's distributed-checkpoint layout for the stacked parameters: each weight
+        under ``<prefix>experts.linear_fc{1,2}.weight`` as a [global experts, out, in] tensor
+        (fc1's gate and up halves as two pieces), so a checkpoint loads into either layout and at
+        another expert-parallel size."""
+        if not self.parameters_stacked:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+        from megatron.core.transformer.utils import make_sharded_object_for_checkpoint
+
+        ep_size, ep_rank = self.ep_group.size(), self.ep_group.rank()
+        num_global = ep_size * self.num_local_experts
+        first_global = ep_rank * self.num_local_experts
+        axis = len(sharded_offsets)  # the expert axis: the stacked tensors' first
+        replica_id = (0, 0, self.dp_group.rank())
+        expert_axis = (axis, ep_rank, ep_size)
+
+        def fc1_pieces(key, tensor, replica, flattened_range):
+            gate, up = torch.chunk(tensor, 2, dim=1)
+            return [ShardedTensor.from_rank_offsets(key, half.contiguous(), *sharded_offsets, expert_axis,
+                                                    (axis + 1, i, 2), replica_id=replica, prepend_axis_num=axis)
+                    for i, half in enumerate((gate, up))]
+
+        def fc1_merge(pieces):
+            return torch.cat(pieces, dim=1)
+
+        out = {f"{prefix}{self.STACKED[0]}": ShardedTensorFactory(
+            f"{prefix}experts.linear_fc1.weight", self.linear_fc1_weights, fc1_pieces, fc1_merge, replica_id)}
+        out[f"{prefix}{self.STACKED[1]}"] = ShardedTensor.from_rank_offsets(
+            f"{prefix}experts.linear_fc2.weight", self.linear_fc2_weights, *sharded_offsets, expert_axis,
+            replica_id=replica_id, prepend_axis_num=axis)
+        # SequentialMLP's linears also save an (empty) extra state per expert: the same objects,
+        # so a SequentialMLP model loads this checkpoint too.
+        for local in range(self.num_local_experts):
+            offsets = (*sharded_offsets, (axis, first_global + local, num_global))
+            for projection in ("linear_fc1", "linear_fc2"):
+                out[f"{prefix}local_experts.{local}.{projection}._extra_state"] = make_sharded_object_for_checkpoint(
+                    None, f"{prefix}experts.{projection}._extra_state", offsets, replica_id)
+        return out
+
+    # ------------------------------------------------------------------ forward
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor):
         """SequentialMLP's interface: rows sorted by local expert, ``tokens_per_expert`` counts
         (on the host or the device)."""
-        if not self._grouped_supported() or self.config.moe_apply_probs_on_input:
+        if not self.parameters_stacked and (not self._grouped_supported() or self.config.moe_apply_probs_on_input):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
         x = permuted_local_hidden_states
         # (a host tensor, or numpy where the CPU patches keep the alltoall's split sizes so)
@@ -240,10 +345,14 @@ class GroupedExperts(SequentialMLP):
         row's SwiGLU output scaled by its routing probability before the down projection, as
         megatron-core's MLP does for experts."""
         if self._into_main_grad(x):
-            fc1s = [e.linear_fc1.weight for e in self.local_experts]
-            fc2s = [e.linear_fc2.weight for e in self.local_experts]
-            fc1 = torch.stack([w.detach() for w in fc1s])
-            fc2 = torch.stack([w.detach() for w in fc2s])
+            if self.parameters_stacked:
+                fc1s, fc2s = [self.linear_fc1_weights], [self.linear_fc2_weights]
+                fc1, fc2 = fc1s[0].detach(), fc2s[0].detach()
+            else:
+                fc1s = [e.linear_fc1.weight for e in self.local_experts]
+                fc2s = [e.linear_fc2.weight for e in self.local_experts]
+                fc1 = torch.stack([w.detach() for w in fc1s])
+                fc2 = torch.stack([w.detach() for w in fc2s])
             hidden = _GroupedLinearIntoMainGrad.apply(x, fc1, ends, [w.main_grad for w in fc1s])
             hidden = self._swiglu_times_probs(hidden, probs)
             return _GroupedLinearIntoMainGrad.apply(hidden, fc2, ends, [w.main_grad for w in fc2s])
@@ -256,11 +365,15 @@ class GroupedExperts(SequentialMLP):
         """Whether this forward's weight gradients go straight into ``main_grad``: switched on,
         a forward that builds a graph through ``x`` (otherwise no backward would run to add them),
         trainable weights with gradient buffers, grouped matmuls on this device."""
+        first = self.first_weight()
         if not (self.into_main_grad and self.stacked is None and torch.is_grad_enabled() and x.requires_grad
-                and self.local_experts and grouped_mm_supported(x.dtype, x.device)):
+                and first is not None and grouped_mm_supported(x.dtype, x.device)):
             return False
-        return all(getattr(w, "main_grad", None) is not None and w.requires_grad
-                   for e in self.local_experts for w in (e.linear_fc1.weight, e.linear_fc2.weight))
+        if self.parameters_stacked:
+            weights = [self.linear_fc1_weights, self.linear_fc2_weights]
+        else:
+            weights = [w for e in self.local_experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)]
+        return all(getattr(w, "main_grad", None) is not None and w.requires_grad for w in weights)
 
     def _swiglu_times_probs(self, hidden: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         if self.config.bias_activation_fusion:
@@ -271,6 +384,29 @@ class GroupedExperts(SequentialMLP):
         gate, up = torch.chunk(hidden, 2, dim=-1)
         out = F.silu(gate) * up
         return (out * probs.unsqueeze(-1)).to(hidden.dtype)
+
+
+def _per_expert_state(module: "GroupedExperts", state_dict, prefix: str, local_metadata) -> None:
+    """State-dict hook of stacked experts: SequentialMLP's per-expert entries (views of the
+    stacked weights, no copies) in place of the two stacked ones."""
+    for projection, name in zip(("linear_fc1", "linear_fc2"), GroupedExperts.STACKED):
+        stacked = state_dict.pop(prefix + name, None)
+        if stacked is None:
+            continue
+        for e, weight in enumerate(stacked.detach().unbind(0)):
+            state_dict[f"{prefix}local_experts.{e}.{projection}.weight"] = weight
+            state_dict[f"{prefix}local_experts.{e}.{projection}._extra_state"] = None
+
+
+def _stacked_state(module: "GroupedExperts", state_dict, prefix: str, *args) -> None:
+    """Load-state-dict pre-hook of stacked experts: SequentialMLP's per-expert entries stacked
+    into the two parameters' (a state dict of stacked entries loads as it is)."""
+    for projection, name in zip(("linear_fc1", "linear_fc2"), GroupedExperts.STACKED):
+        keys = [f"{prefix}local_experts.{e}.{projection}.weight" for e in range(module.num_local_experts)]
+        if all(k in state_dict for k in keys):
+            state_dict[prefix + name] = torch.stack([state_dict.pop(k) for k in keys])
+        for e in range(module.num_local_experts):
+            state_dict.pop(f"{prefix}local_experts.{e}.{projection}._extra_state", None)
 
 
 class GroupedMoELayer(MoELayer):
@@ -308,7 +444,7 @@ class GroupedMoELayer(MoELayer):
         bias is converted once, by the first forward, before any capture; input jitter, forced
         load balancing, Sinkhorn, TransformerEngine's fused top-k and token dropping are left out."""
         config = self.config
-        fc1 = self.experts.local_experts[0].linear_fc1.weight if self.experts.local_experts else None
+        fc1 = self.experts.first_weight() if isinstance(self.experts, GroupedExperts) else None
         return (self.on_device_path() and fc1 is not None and grouped_mm_supported(fc1.dtype, fc1.device)
                 and getattr(self.router, "routing_type", "none") != "sinkhorn"
                 and config.moe_input_jitter_eps is None and not config.moe_router_force_load_balancing
@@ -372,6 +508,13 @@ def use_grouped_experts(spec) -> None:
         if getattr(experts, "module", None) is SequentialMLP:
             mlp.module = GroupedMoELayer
             experts.module = GroupedExperts
+
+
+def stack_expert_parameters(model: torch.nn.Module) -> int:
+    """Hold every GroupedExperts' weights as two stacked parameters (``GroupedExperts.
+    stack_parameters``: for models that train or run the learner's forwards; call before
+    wrapping for training). Returns the number of layers stacked."""
+    return sum(module.stack_parameters() for module in model.modules() if isinstance(module, GroupedExperts))
 
 
 def accumulate_expert_grads_into_main_grad(model: torch.nn.Module) -> int:
