@@ -13,7 +13,6 @@ import copy
 import json
 import logging
 import math
-import os
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -271,7 +270,7 @@ class Trainer:
         # trainer.eval_interval: the eval sets, tokenized once; scored with this engine between steps.
         self.evaluator = None
         if cfg.trainer.eval_interval:
-            from .eval import EvalSuite
+            from .eval_sets import EvalSuite
 
             try:
                 self.evaluator = EvalSuite(cfg, self.tokenizer)

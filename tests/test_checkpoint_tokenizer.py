@@ -76,7 +76,7 @@ def test_eval_scores_the_configured_dataset_and_reward_with_the_chat_template(hf
     """The eval's data set is built as training builds its prompts: data.name, data.template,
     data.eval_path, the run's reward, and the checkpoint's chat template."""
     from megatron_rl.data.build import build_tokenizer
-    from megatron_rl.eval import EvalSuite
+    from megatron_rl.eval_sets import EvalSuite
 
     cfg = load_config("tiny_cpu", [f"model.path={hf_dir}", "data.name=math500",
                                    f"data.path={GSM8K.parent.parent / 'math500' / 'test.jsonl'}",

@@ -11,7 +11,8 @@ import pytest
 
 from hf_helpers import save_random_hf_model
 
-from megatron_rl.eval import evaluate, main, pass_at_k
+from megatron_rl.eval import evaluate, main
+from megatron_rl.eval_sets import pass_at_k
 
 PROJECT = Path(__file__).resolve().parents[1]
 DATA = PROJECT.parent / "shared" / "data"
