@@ -289,3 +289,15 @@ def test_config_accepts_lora_on_attention_of_an_moe_model(tiny_cfg):
     tiny_cfg.lora.targets = ["linear_qkv", "linear_proj"]
     tiny_cfg.model.family, tiny_cfg.model.num_experts = "mixtral", 4
     validate(tiny_cfg)
+
+
+def test_a_lora_checkpoint_does_not_load_as_a_plain_model(megatron_world, tmp_path):
+    """model.path at a LoRA run's checkpoint would load the base and drop the adapters: refused."""
+    from megatron_rl.models.convert import load_megatron_weights
+    from megatron_rl.models.hf_checkpoint import ConversionError
+
+    lora = Learner(lora_cfg(), VOCAB)
+    path = save_checkpoint(lora, tmp_path, step=1, trainer_state={})
+    plain = Learner(tiny_cfg(), VOCAB)
+    with pytest.raises(ConversionError, match="LoRA run's checkpoint"):
+        load_megatron_weights(plain.module, path)
