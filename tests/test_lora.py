@@ -21,8 +21,8 @@ TOKENS = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29, 33, 37], [2, 4, 6, 8, 10, 1
 RANK = 4
 
 
-def lora_cfg(tp: int = 1, pp: int = 1, rank: int = RANK):
-    cfg = tiny_cfg(tp, pp)
+def lora_cfg(tp: int = 1, pp: int = 1, rank: int = RANK, dp_optimizer: bool = False):
+    cfg = tiny_cfg(tp, pp, dp_optimizer=dp_optimizer)
     cfg.lora.rank, cfg.lora.alpha = rank, 8.0
     return cfg
 
@@ -190,7 +190,24 @@ def test_checkpoint_roundtrip_restores_adapters_and_adam_state_exactly(megatron_
     assert all(torch.equal(sa[k], sb[k]) for k in sa)  # same Adam moments, same update
 
 
-# ---------------------------------------------------------------- TP = 2 and PP = 2 worlds
+def test_bf16_base_with_fp32_adapters(megatron_world):
+    """model.dtype=bf16: the base stays bf16 and frozen, the adapters fp32 and trained (megatron's
+    mixed-precision optimizer keeps fp32 parameters as they are), the merged export is bf16."""
+    cfg = lora_cfg()
+    cfg.model.dtype = "bf16"
+    learner = Learner(cfg, VOCAB)
+    before = _state(learner.module)
+    for _ in range(2):
+        learner.train_step(copy.deepcopy(batch()), 1.0, lr=1e-3)
+    for name, value in _state(learner.module).items():
+        if is_adapter_name(name):
+            assert value.dtype == torch.float32 and not torch.equal(value, before[name]), name
+        else:
+            assert value.dtype == torch.bfloat16 and torch.equal(value, before[name]), name
+    assert {t.dtype for _, t in learner.export_hf_weights()} == {torch.bfloat16}
+
+
+# ---------------------------------------------------------------- TP = 2, PP = 2 and DP = 2 worlds
 TOL = 1e-5
 
 
@@ -212,26 +229,31 @@ def _gap(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
 
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_sharded_lora_learner_equals_single_process(reference, tp, pp):
+@pytest.mark.parametrize("tp, pp, dp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)], ids=["tp2", "pp2", "dp2-distopt"])
+def test_sharded_lora_learner_equals_single_process(reference, tp, pp, dp):
     """Each rank loads the reference's full weights (adapters split: column-parallel B by rows,
     gate/up halves kept apart; row-parallel A by columns), scores, trains one step: logprobs,
-    updated adapters (hence their gradients), merged export and adapter export equal one process's."""
+    updated adapters (hence their gradients), merged export and adapter export equal one process's.
+    DP=2 with the distributed optimizer: the frozen base stays out of its sharded buffers."""
     from parallel_cases import learner_case
 
     full, trajs, ref_lp, ref_updated, ref_merged = reference
-    out = run_ranks(learner_case, tp * pp, args=(lora_cfg(tp, pp), full, trajs), timeout_s=180)
+    cfg = lora_cfg(tp, pp, dp_optimizer=dp > 1)
+    out = run_ranks(learner_case, tp * pp * dp, args=(cfg, full, trajs), timeout_s=180)
     weights, merged, adapters = {}, {}, {}
     for o in out:
         weights.update(o["weights"]), merged.update(o["merged"]), adapters.update(o["adapters"])
         assert o["roundtrip_max_err"] == 0.0
         assert _gap(o["logprobs"], ref_lp) <= TOL
         assert all(is_adapter_name(n) for n in o["trainable"])
-        assert o["optimizer_numel"] == o["trainable_numel"]
+        if dp == 1:  # (the distributed optimizer holds each replica's share of them)
+            assert o["optimizer_numel"] == o["trainable_numel"]
+    if dp > 1:  # each replica's optimizer holds its shard of the adapters: together, all of them
+        assert sum(o["optimizer_numel"] for o in out) == out[0]["trainable_numel"]
     assert weights.keys() == ref_updated.keys()
     worst = max((weights[k] - ref_updated[k]).abs().max().item() for k in weights)
     moved = max((ref_updated[k] - full[k]).abs().max().item() for k in full if is_adapter_name(k))
-    print(f"tp={tp} pp={pp}: logprob gap {max(_gap(o['logprobs'], ref_lp) for o in out):.1e}, "
+    print(f"tp={tp} pp={pp} dp={dp}: logprob gap {max(_gap(o['logprobs'], ref_lp) for o in out):.1e}, "
           f"updated weight gap {worst:.1e} (adapters moved {moved:.1e})")
     assert moved > 5e-5 and worst <= TOL
     for k in weights:
