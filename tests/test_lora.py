@@ -323,3 +323,22 @@ def test_a_lora_checkpoint_does_not_load_as_a_plain_model(megatron_world, tmp_pa
     plain = Learner(tiny_cfg(), VOCAB)
     with pytest.raises(ConversionError, match="LoRA run's checkpoint"):
         load_megatron_weights(plain.module, path)
+
+
+def test_critic_starts_from_the_lora_policys_merged_weights(megatron_world):
+    """PPO's critic (algo.name=gae) copies the policy's trunk: a LoRA policy's merged weights, no
+    adapters; the critic trains all of its own weights."""
+    from megatron_rl.learner.critic import Critic
+
+    cfg = lora_cfg()
+    policy = Learner(cfg, VOCAB)
+    _perturb(policy.module)
+    critic = Critic(cfg, VOCAB, policy=policy.module)
+    assert not any(is_adapter_name(n) for n in critic.module.state_dict())
+    assert all(p.requires_grad for p in critic.module.parameters())
+    merged = dict(policy.export_hf_weights())
+    qkv = "decoder.layers.1.self_attention.linear_qkv.weight"
+    from megatron_rl.models.hf_names import megatron_to_hf
+
+    for hf_name, tensor in megatron_to_hf(qkv, critic.module.state_dict()[qkv], cfg.model):
+        assert torch.equal(tensor, merged[hf_name]), hf_name
