@@ -89,7 +89,17 @@ def learner_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Tra
     loaded_back = full_state(learner.module)
     logprobs = learner.compute_logprobs(trajs, 1.0)
     metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=cfg.learner.lr)
+    lora = {}
+    if cfg.lora.rank:  # what the engines get (merged), the adapters alone, what the optimizer holds
+        from megatron_rl.weights.reshard import full_tensors
+
+        lora = {"merged": dict(full_tensors(learner.module, merged=True)),
+                "adapters": dict(learner.adapter_tensors()),
+                "trainable": sorted(n for n, p in learner.module.named_parameters() if p.requires_grad),
+                "optimizer_numel": sum(p.numel() for g in learner.optimizer.param_groups for p in g["params"]),
+                "trainable_numel": sum(p.numel() for p in learner.module.parameters() if p.requires_grad)}
     return {
+        **lora,
         "tp_rank": ps.get_tensor_model_parallel_rank(),
         "pp_rank": ps.get_pipeline_model_parallel_rank(),
         "dp_rank": ps.get_data_parallel_rank(),
@@ -242,3 +252,18 @@ def teacher_case(cfg: RootConfig, trajs) -> Dict[str, Any]:
 
     learner = Learner(cfg, VOCAB)
     return {"logprobs": learner.compute_logprobs(trajs, 1.0, teacher=True)}
+
+
+def resumed_step_case(cfg: RootConfig, checkpoint: str, trajs: List[Trajectory]) -> Dict[str, Any]:
+    """A learner at ``cfg``'s layout loads a training checkpoint (written at another layout), takes
+    one training step, and returns its stage's gathered weights."""
+    from pathlib import Path
+
+    from megatron_rl.checkpoint import load_checkpoint
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.weights.reshard import full_state
+
+    learner = Learner(cfg, VOCAB)
+    load_checkpoint(learner, Path(checkpoint))
+    metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=cfg.learner.lr)
+    return {"metrics": metrics, "weights": full_state(learner.module)}

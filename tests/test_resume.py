@@ -36,31 +36,33 @@ def _rows(run_dir: Path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-@pytest.mark.parametrize("eta", [0, 1])
-def test_killed_run_resumes_exactly(tmp_path, eta):
-    """At η = 0 the resumed run equals the uninterrupted one step for step. At η = 1 rollouts in
-    flight at the checkpoint are generated again after the resume (their prompts were saved), so
-    it is a different (equally valid) run: it must finish every step once."""
+@pytest.mark.parametrize("eta, extra", [(0, ()), (1, ()), (0, ("lora.rank=8", "learner.lr=1e-2"))],
+                         ids=["0", "1", "0-lora"])
+def test_killed_run_resumes_exactly(tmp_path, eta, extra):
+    """At η = 0 the resumed run equals the uninterrupted one step for step (also with LoRA: the
+    checkpoint holds the adapters and their Adam state). At η = 1 rollouts in flight at the
+    checkpoint are generated again after the resume (their prompts were saved), so it is a
+    different (equally valid) run: it must finish every step once."""
     steps = 12
     # The uninterrupted reference runs beside the killed run (η = 0 is deterministic whatever
     # else the cores are doing): the two interpreters' imports, one core each, overlap.
     ref_log = tmp_path / "ref.stderr"
     with ref_log.open("w") as log:
-        reference = subprocess.Popen(_cmd(tmp_path / "ref", steps), stdout=subprocess.DEVNULL,
+        reference = subprocess.Popen(_cmd(tmp_path / "ref", steps, *extra), stdout=subprocess.DEVNULL,
                                      stderr=log) if eta == 0 else None
     try:
-        _kill_and_resume(tmp_path, steps, eta, reference, ref_log)
+        _kill_and_resume(tmp_path, steps, eta, reference, ref_log, extra)
     finally:
         if reference is not None and reference.poll() is None:
             reference.kill()
             reference.wait()
 
 
-def _kill_and_resume(tmp_path: Path, steps: int, eta: int, reference, ref_log: Path) -> None:
+def _kill_and_resume(tmp_path: Path, steps: int, eta: int, reference, ref_log: Path, extra=()) -> None:
     kill_after = random.randint(4, 10)  # a step past at least one checkpoint
     print(f"killing after step {kill_after}")
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_cmd(run_dir, steps, eta=eta), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(_cmd(run_dir, steps, *extra, eta=eta), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while len(_rows(run_dir)) < kill_after and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -71,7 +73,7 @@ def _kill_and_resume(tmp_path: Path, steps: int, eta: int, reference, ref_log: P
     assert kill_after <= done < steps, f"the run was not killed mid-way ({done} steps written)"
     assert not alive_after(children, 10), "a process of the killed trainer outlived it"
 
-    resumed = subprocess.run(_cmd(run_dir, steps, eta=eta), capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(_cmd(run_dir, steps, *extra, eta=eta), capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr
     got = _rows(run_dir)

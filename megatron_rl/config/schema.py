@@ -178,6 +178,24 @@ class LearnerConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA) on the policy's linear projections: each adapted weight W stays
+    frozen in model.dtype and the model computes W·x + (alpha / rank)·B·A·x with A and B trained in
+    fp32 (B starts at zero, so training starts from the base model). The optimizer, gradient
+    buffers and optimizer state hold the adapters only; the engines receive merged weights."""
+    # Rank of each adapter (the inner size of B·A); 0 trains every weight (no LoRA).
+    rank: int = 0
+    # Scale numerator: the low-rank update is multiplied by alpha / rank.
+    alpha: float = 32.0
+    # Dropout probability on each adapter's input during training (0: none).
+    dropout: float = 0.0
+    # Projections that get an adapter, in every transformer layer: linear_qkv (fused
+    # query/key/value), linear_proj (attention output), linear_fc1 (fused gate/up of the MLP),
+    # linear_fc2 (MLP down). An MoE model's MLPs are its routed experts: attention only there.
+    targets: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+
+
+@dataclass
 class RolloutConfig:
     # embedded | vllm (a builder in rollout/build.py's ENGINES)
     engine: str = "embedded"
@@ -581,6 +599,7 @@ class TrainerConfig:
 class RootConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)

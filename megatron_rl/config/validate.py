@@ -14,6 +14,7 @@ from ..algorithms.policy_loss import LOSS_AGG_MODES, POLICY_LOSSES
 from ..algorithms.rollout_correction import IS_LEVELS, REJECT_LEVELS, Correction
 from ..learner.recipes import LEARNER_RECIPES
 from ..models.families import FAMILY_NAMES, get_family
+from ..models.lora import LORA_TARGETS
 from ..models.shared_prefix import unsupported
 from ..rewards.verifiers import REWARDS
 from ..rollout.build import ENGINES
@@ -198,6 +199,30 @@ def _teacher(cfg: RootConfig) -> None:
         raise ConfigError(f"teacher.path={path!r} is not a directory (a Hugging Face or Megatron checkpoint)")
 
 
+def _lora(cfg: RootConfig) -> None:
+    """LoRA's keys, and the models it cannot adapt yet."""
+    lo, m = cfg.lora, cfg.model
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 trains every weight; e.g. 8 or 16 for LoRA)")
+    if not lo.rank:
+        return
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha={lo.alpha} must be > 0 (the update is scaled by alpha / rank; e.g. 32)")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    unknown = [t for t in lo.targets if t not in LORA_TARGETS]
+    if unknown or not lo.targets or len(set(lo.targets)) != len(lo.targets):
+        raise ConfigError(f"lora.targets={list(lo.targets)} must list distinct projections of "
+                          f"{', '.join(LORA_TARGETS)} (at least one)")
+    mlp = [t for t in lo.targets if t in ("linear_fc1", "linear_fc2")]
+    if m.num_experts and mlp:
+        raise ConfigError(f"lora.targets has {', '.join(mlp)}, but model.num_experts={m.num_experts}: LoRA on routed "
+                          "experts is not built; adapt attention only (lora.targets=[linear_qkv,linear_proj])")
+    if m.kv_lora_rank is not None and "linear_qkv" in lo.targets:
+        raise ConfigError("lora.targets has linear_qkv, but multi-head latent attention (model.kv_lora_rank) has "
+                          "no fused QKV projection; drop it from lora.targets")
+
+
 def _correction(cfg: RootConfig) -> None:
     """Rollout-correction values that cannot work together."""
     c = cfg.correction
@@ -367,6 +392,7 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
                           f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}")
     _correction(cfg)
     _teacher(cfg)
+    _lora(cfg)
     if cfg.algo.kl_in_reward and cfg.algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:

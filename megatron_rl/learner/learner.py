@@ -24,6 +24,7 @@ from ..config.validate import ConfigError, routing_replay_on
 from ..models.gpt import build_gpt_model, model_device
 from ..models.grouped_moe import stack_expert_parameters
 from ..models.hf_names import megatron_to_hf
+from ..models.lora import adapters_disabled, add_lora, dropout_disabled, export_state
 from ..models.pretrained import load_pretrained
 from ..models.routing import RoutingReplay, foreign_moe_layers
 from ..models.shared_prefix import rotary_at
@@ -105,9 +106,21 @@ class Learner:
                                 recompute=lc.recompute_activations)
         if cfg.model.path:  # start from a Hugging Face or Megatron checkpoint (models/pretrained.py)
             load_pretrained(model, cfg.model, cfg.model.path)
+        # LoRA: the loaded base is frozen and only the adapters train (models/lora.py); added
+        # before the wrap, so megatron's gradient buffers and optimizer see the adapters only.
+        self.lora = cfg.lora.rank > 0
+        if self.lora:
+            try:
+                add_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets,
+                         seed=cfg.trainer.seed)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         self.model, self.optimizer = wrap_for_training(model, lc, cfg.model.dtype == "bf16", lc.lr)
         self.ref_model: Optional[torch.nn.Module] = None
-        if cfg.algo.kl_coef > 0:
+        # The KL penalty's reference: the initial policy. Under LoRA that is the base itself, run
+        # by the policy's model with its adapters off (no second copy of the weights).
+        self.has_reference = cfg.algo.kl_coef > 0
+        if self.has_reference and not self.lora:
             self.ref_model = build_gpt_model(cfg.model, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
             stack_expert_parameters(self.ref_model)
             self.ref_model.load_state_dict(self.module.state_dict())
@@ -169,12 +182,14 @@ class Learner:
             # Another network than the one that sampled: it routes by its own routers.
             return per_token_outputs(self.teacher, trajs, self.cfg.learner, self.pad_id,
                                      partial(self._forward_step, temperature=temperature))
-        model = self.ref_model if reference else self.model
-        if model is None:
+        if reference and not self.has_reference:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
+        model = self.ref_model if reference and not self.lora else self.model
+        # Under LoRA: the reference is the base (adapters off); no pass here applies adapter dropout.
+        base_only = adapters_disabled(self.module) if reference and self.lora else contextlib.nullcontext()
         # The policy's forward before an update is the proximal pass: its routers' agreement with
         # the engine is the step's moe/router_agreement.
-        with self._routing(model, count=not reference):
+        with self._routing(model, count=not reference), base_only, dropout_disabled(self.module):
             return per_token_outputs(model, trajs, self.cfg.learner, self.pad_id,
                                      partial(self._forward_step, temperature=temperature))
 
@@ -225,11 +240,12 @@ class Learner:
         # One optimizer step per batch: the weights before the update are the ones the training
         # forward runs with, so the proximal logprobs are that forward's own (detached) and the
         # separate forward pass over the batch is skipped.
+        # (Not with LoRA dropout: the training forward drops adapter inputs, the proximal policy does not.)
         self._proximal_in_forward = (cfg.learner.mini_batches == 1 and cfg.learner.ppo_epochs == 1
-                                     and not self.force_proximal_forward)
+                                     and not self.force_proximal_forward and not (self.lora and cfg.lora.dropout > 0))
         if not self._proximal_in_forward and not batch.has("proximal_logprobs") and self.engine_samples:
             batch = batch.with_fields(proximal_logprobs=self.compute_logprobs(batch, temperature))
-        if self.ref_model is not None and not batch.has("ref_logprobs"):
+        if self.has_reference and not batch.has("ref_logprobs"):
             batch = batch.with_fields(ref_logprobs=self.compute_logprobs(batch, temperature, reference=True))
         set_lr(self.optimizer, lr)
         totals, grad_norms = minibatch_steps(batch, cfg.learner, partial(self._optimizer_step, temperature=temperature))
@@ -291,7 +307,7 @@ class Learner:
         stats.update(correction_stats)
         if algo.entropy_coef > 0:
             loss = loss - algo.entropy_coef * entropy * train
-        if self.ref_model is not None:
+        if self.has_reference:
             kl = kl_penalty(logprobs, mb.ref_logprobs, algo.kl_estimator) * train
             if not algo.kl_in_reward:  # otherwise the trainer already charged it to the reward
                 loss = loss + algo.kl_coef * kl
@@ -312,8 +328,19 @@ class Learner:
         return weights_finite(self.model)
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Full tensors under Hugging Face names (single-rank layout: TP=PP=EP=1)."""
-        for name, tensor in self.module.state_dict().items():
-            if tensor is None or not isinstance(tensor, torch.Tensor):
+        """Full tensors under Hugging Face names (single-rank layout: TP=PP=EP=1). Under LoRA the
+        adapted weights are merged (W + s·B·A in fp32, cast to the model's dtype): what engines
+        without LoRA support load."""
+        for name, tensor in export_state(self.module, merge=True):
+            if name.endswith("_extra_state"):
                 continue  # TransformerEngine/_extra_state entries carry no weights
             yield from megatron_to_hf(name, tensor.detach(), self.cfg.model)
+
+    def adapter_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """This pipeline stage's LoRA adapters as full tensors (gathered over tensor parallelism)
+        under full-model Megatron names with global layer numbers, e.g.
+        ``decoder.layers.3.self_attention.linear_qkv.lora_b``; nothing without LoRA. Collective
+        over the tensor-parallel group."""
+        from ..weights.reshard import full_tensors
+
+        return full_tensors(self.module, adapters_only=True)

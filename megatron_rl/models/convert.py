@@ -102,8 +102,23 @@ def load_megatron_weights(model: torch.nn.Module, path: Path | str) -> None:
 
     if not is_megatron_dir(path):
         raise ConversionError(f"{path} is not a Megatron dist checkpoint (no metadata.json)")
+    _refuse_lora_adapters(path)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))["model"]
     model.load_state_dict(state)
+
+
+def _refuse_lora_adapters(path: Path | str) -> None:
+    """A LoRA run's training checkpoint holds the frozen base and the adapters apart: loading it
+    as a plain model would drop the adapters (the trained part) without a word."""
+    from megatron.core import dist_checkpointing
+
+    from .lora import is_adapter_name
+
+    adapters = [k for k in dist_checkpointing.load_tensors_metadata(str(path)) if is_adapter_name(k)]
+    if adapters:
+        raise ConversionError(f"{path} is a LoRA run's checkpoint ({len(adapters)} adapter tensors such as "
+                              f"{adapters[0]!r}): a plain model would load its base without the adapters; resume "
+                              "that run (same trainer.run_dir) to continue it")
 
 
 def _build_full(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:

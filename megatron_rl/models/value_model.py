@@ -15,6 +15,7 @@ import torch
 
 from ..config.schema import ModelConfig
 from .gpt import build_gpt_model, cuda_available
+from .lora import export_state
 
 
 class ValueHead(torch.nn.Module):
@@ -48,7 +49,8 @@ def build_value_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 
             head = head.cuda(torch.cuda.current_device())
         model.output_layer = head
     if policy is not None:
-        trunk = {k: v for k, v in policy.state_dict().items() if not k.startswith("output_layer.")}
+        # A LoRA policy's weights merged (the critic has no adapters; it trains all its weights).
+        trunk = {k: v.detach() for k, v in export_state(policy, merge=True) if not k.startswith("output_layer.")}
         missing, unexpected = model.load_state_dict(trunk, strict=False)
         missing = [k for k in missing if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
         if missing or unexpected:

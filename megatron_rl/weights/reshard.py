@@ -25,6 +25,8 @@ from typing import Dict, Iterator, Mapping, Tuple
 import torch
 import torch.distributed as dist
 
+from ..models.lora import export_state, is_adapter_name
+
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 # A routed expert's weights (SequentialMLP): ``local_experts.<j>`` is expert ep_rank * n_local + j.
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..+)$")
@@ -63,8 +65,10 @@ def to_local_name(name: str, offset: int, num_local_layers: int) -> str | None:
 
 
 def _is_gated_fc1(name: str, module: torch.nn.Module) -> bool:
+    """A gated MLP's fused gate/up weight, or its LoRA B (whose rows follow the weight's)."""
     config = getattr(module, "config", None)
-    return bool(getattr(config, "gated_linear_unit", False)) and "linear_fc1.weight" in name
+    return bool(getattr(config, "gated_linear_unit", False)) and name.endswith(("linear_fc1.weight",
+                                                                                   "linear_fc1.lora_b"))
 
 
 def _tp_dim(param: torch.Tensor) -> int | None:
@@ -73,25 +77,32 @@ def _tp_dim(param: torch.Tensor) -> int | None:
     return None
 
 
-def _weights(module: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor, int | None]]:
-    """(local name, tensor, TP partition dim or None) for every weight in the state dict."""
+def _weights(module: torch.nn.Module, merged: bool = False, adapters_only: bool = False,
+             ) -> Iterator[Tuple[str, torch.Tensor, int | None]]:
+    """(local name, tensor, TP partition dim or None) for every weight in the state dict.
+    ``merged``: LoRA-adapted weights merged and the adapters left out (models/lora.py);
+    ``adapters_only``: the LoRA adapters alone."""
     params = dict(module.named_parameters())
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, torch.Tensor) or name.endswith("_extra_state"):
+    for name, tensor in export_state(module, merge=merged):
+        if name.endswith("_extra_state") or (adapters_only and not is_adapter_name(name)):
             continue  # TransformerEngine keeps FP8 metadata there: no weights
         source = params.get(name, tensor)
         yield name, tensor, _tp_dim(source)
 
 
 @torch.no_grad()
-def full_tensors(module: torch.nn.Module) -> Iterator[Tuple[str, torch.Tensor]]:
+def full_tensors(module: torch.nn.Module, merged: bool = False, adapters_only: bool = False,
+                 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's tensors, gathered over the TP group, under global Megatron names.
+    ``merged``: under LoRA, each adapted weight merged with its adapter and the adapters left out
+    (what engines load); ``adapters_only``: the LoRA adapters alone. Neither: every tensor as
+    stored (the inverse of ``load_full_tensors``).
 
     Collective over the tensor-parallel group: every TP rank of the stage must iterate it to the
     end in step (each yields the same full tensors)."""
     offset = layer_offset(module)
     ep, ep_rank, n_local = _expert_split(module)
-    for name, tensor, dim in _weights(module):
+    for name, tensor, dim in _weights(module, merged, adapters_only):
         expert = _EXPERT.match(name)
         tp, tp_rank, group = _tp_of(bool(expert))
         local = tensor.detach()

@@ -103,7 +103,8 @@ def _device() -> Optional[torch.device]:
 
 
 def _hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
-    for name, full in full_tensors(module):
+    # LoRA adapters merged into their weights: engines load plain HF tensors.
+    for name, full in full_tensors(module, merged=True):
         yield from megatron_to_hf(name, full, model_cfg)
 
 
