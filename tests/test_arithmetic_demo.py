@@ -18,10 +18,11 @@ from megatron_rl.rewards import REWARDS
 
 PROJECT = Path(__file__).resolve().parents[1]
 # The demo at a size the test can afford: one operation, a 2-layer model, 100 SFT steps, 4 GRPO
-# steps, 64 held-out problems x 4 samples. Measured on cpu2 (seeds 1 / 2 / 3): pass@1 0.020 /
-# ... before SFT, ... after SFT, ... after RL; the test asks for a gain of MARGIN.
+# steps, 64 held-out problems x 4 samples. Measured on cpu2, seeds 1 / 2 / 3, held-out pass@1
+# before SFT -> after SFT -> after RL: 0.020 -> 0.430 -> 0.441, 0.008 -> 0.297 -> 0.324,
+# 0.004 -> 0.348 -> 0.293 (42-54 s each): gains of 0.29 to 0.42, so the test asks for MARGIN.
 SMALL = ["--sft-steps", "100", "--rl-steps", "4", "--limit", "64", "data.arithmetic_max_ops=1", "model.num_layers=2"]
-MARGIN = 0.25
+MARGIN = 0.2
 
 
 @pytest.mark.parametrize("expression, solution, value", [
