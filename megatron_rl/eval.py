@@ -7,12 +7,14 @@ set them too). The sets (``eval.datasets``):
 
 - ``data``: the config's dataset (``data.name``, ``data.template``, ``data.prompt_key``, ...) read
   from ``data.eval_path`` (the CLI falls back to ``data.path``), scored by the config's reward
-  (``reward.name`` or ``reward.fn``); a synthetic digit task draws ``eval.limit`` fresh prompts;
+  (``reward.name`` or ``reward.fn``); a synthetic digit task draws ``eval.limit`` fresh prompts,
+  ``arithmetic`` draws them from its held-out split;
 - ``gsm8k``: GSM8K test, the ``qa`` template and the ``gsm8k`` reward;
 - ``math500``: MATH-500, the ``math`` template and the ``math`` reward (math-verify).
 
 Prompts go through the tokenizer's chat template when it has one (``data.apply_chat_template``).
-The checkpoint (a Hugging Face directory or a Megatron checkpoint) is loaded the way the trainer
+The checkpoint (a Hugging Face directory or a Megatron checkpoint; ``--random-init``: none, the
+recipe's model as a run from scratch initialises it, a baseline) is loaded the way the trainer
 loads it and served by the configured engine; each problem gets ``eval.samples`` responses, right
 when their reward is >= 1. Reports pass@1 and pass@k with the unbiased estimator of Chen et al.
 (2021): for n samples of which c are right, pass@k = 1 - C(n-c, k) / C(n, k), averaged over
@@ -61,6 +63,9 @@ def parse_args(argv: Sequence[str]) -> tuple:
     parser.add_argument("--recipe", default=None, help="recipe the overrides start from (as recipe=NAME; tiny_cpu)")
     parser.add_argument("--batch", type=int, default=None, help="problems generated at once (eval.batch)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--random-init", action="store_true",
+                        help="score the recipe's randomly initialised model instead of a model.path (the weights a "
+                             "run from scratch with this trainer.seed starts from): the baseline before training")
     args, rest = parser.parse_known_args(list(argv))
     recipe = args.recipe or "tiny_cpu"
     overrides: List[str] = []
@@ -83,10 +88,11 @@ def _given(overrides: Sequence[str], key: str) -> bool:
     return any(o.lstrip("+").partition("=")[0] == key for o in overrides)
 
 
-def load_eval_config(recipe: str, overrides: List[str], run_dir: str):
+def load_eval_config(recipe: str, overrides: List[str], run_dir: str, random_init: bool = False):
     """The config composed as training composes it, with what an eval needs: no training state
     written, synchronous, the given run directory; checked for the eval (``eval.*``) and for a
-    tokenizer that can read the checkpoint's tokens."""
+    tokenizer that can read the checkpoint's tokens. ``random_init``: no checkpoint, the recipe's
+    model as a run from scratch initialises it."""
     from .config import ConfigError, load_config
     from .config.validate import validate_eval
 
@@ -94,6 +100,11 @@ def load_eval_config(recipe: str, overrides: List[str], run_dir: str):
                                f"trainer.run_dir={run_dir}", "scheduler.max_staleness=0", "trainer.eval_interval=0",
                                *overrides])
     validate_eval(cfg, held_out=False)
+    if random_init:
+        if cfg.model.path:
+            raise ConfigError(f"--random-init scores a randomly initialised model, and model.path={cfg.model.path!r} "
+                              "names a checkpoint: drop one of them")
+        return cfg
     if not cfg.model.path:
         raise ConfigError("model.path is required: the checkpoint to score (a Hugging Face directory or a Megatron "
                           "checkpoint), e.g. model.path=/ckpt/qwen2-1.5b")
@@ -123,7 +134,7 @@ def evaluate(argv: Sequence[str]) -> Dict:
     run_dir = given_run_dir or tempfile.mkdtemp(prefix="megatron_rl_eval_")
     out = args.report or (Path(given_run_dir) / "eval.json" if given_run_dir else Path("eval.json"))
     try:
-        return _run(args, load_eval_config(recipe, overrides, run_dir), out)
+        return _run(args, load_eval_config(recipe, overrides, run_dir, args.random_init), out)
     finally:
         if not given_run_dir:
             _remove_run_dir(Path(run_dir))

@@ -70,7 +70,7 @@ def build_eval_sets(cfg, tokenizer, fallback_to_train_data: bool = False) -> Lis
     """The sets ``eval.datasets`` names, tokenized with the run's tokenizer. ``fallback_to_train_data``:
     the ``data`` set reads ``data.path`` when ``data.eval_path`` is unset (the CLI scores whatever
     file it is given; validation during training needs a held-out one)."""
-    from .data.build import SYNTHETIC_TASKS, wraps_in_chat
+    from .data.build import DIGIT_TASKS, arithmetic_task, wraps_in_chat
     from .data.datasets import PROMPT_KEYS, DatasetError, DigitTask, JsonlPrompts, prompt_key
     from .rewards import REWARDS
     from .rewards.user import build_reward
@@ -80,7 +80,10 @@ def build_eval_sets(cfg, tokenizer, fallback_to_train_data: bool = False) -> Lis
     for name in e.datasets:
         if name == "data":
             fn, label = build_reward(cfg.reward)
-            if d.name in SYNTHETIC_TASKS:
+            if d.name == "arithmetic":  # drawn as training draws, from the held-out split
+                task = arithmetic_task(cfg, tokenizer, cfg.trainer.seed + EVAL_SEED_OFFSET, "eval")
+                prompts = list(itertools.islice(task, e.limit))
+            elif d.name in DIGIT_TASKS:
                 task = DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits,
                                  cfg.trainer.seed + EVAL_SEED_OFFSET, distinct=d.distinct_digits,
                                  length_tail=d.length_tail)

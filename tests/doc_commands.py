@@ -33,7 +33,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NEEDS: List[Tuple[str, str]] = [
     (r"\bbash (tests/run(_vllm)?\.sh|\.ci/run)\b", "the test suite itself (CI runs it)"),
     (r"\.venv-vllm/|rollout\.engine=vllm|recipe=\S*vllm", "vLLM (.venv-vllm: bash tests/run_vllm.sh --install-only)"),
-    (r"recipe=\S*_gpu\b|tools/bench/\S*_gpu\.py|tools/gpu/", "a GPU"),
+    (r"recipe=\S*_gpu\b|tools/bench/\S*_gpu\.py|tools/gpu/|--size gpu\b", "a GPU"),
     (r"^(sbatch|srun|scancel|scontrol)\b|slurm/local_cluster\.sh", "a Slurm cluster"),
     (r"\bpip install\b|\bwandb sync\b", "the network"),
     (r"/ckpt/", "a real checkpoint"),
@@ -60,6 +60,7 @@ SUBMITS = re.compile(r"-m megatron_rl\.slurm submit\b(?!.*--(dry-run|wait))")
 TOOL_CAPS: List[Tuple[str, str]] = [
     (r"tools/gen_config_reference\.py", "--check"),      # compare with docs/configuration.md, write nothing
     (r"-m megatron_rl\.eval\b", "--limit 2 --no-progress trainer.run_dir={run_dir}"),
+    (r"tools/arithmetic_demo\.py", "--sft-steps 2 --rl-steps 1 --limit 2 --samples 2 --run-dir {run_dir}"),
 ]
 
 # A line of a plain block that starts like a command: it belongs in a ```bash block.

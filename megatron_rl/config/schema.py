@@ -399,9 +399,10 @@ class CriticConfig:
 
 @dataclass
 class DataConfig:
-    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | file (the dataset at
-    # data.path or data.sources) | gsm8k | math500 (a file with their fields and answer forms) |
-    # jsonl (the same as file).
+    # The prompts: reverse_digits | sort_digits (synthetic digit tasks) | arithmetic (synthetic
+    # expressions such as 3+4*2= with a worked solution and a \boxed{} answer; data/arithmetic.py) |
+    # file (the dataset at data.path or data.sources) | gsm8k | math500 (a file with their fields
+    # and answer forms) | jsonl (the same as file).
     name: str = "reverse_digits"
     # The dataset: a JSONL file, a parquet file (verl's format) or a directory saved by Hugging
     # Face datasets' save_to_disk; the format is told by the suffix or the directory's files.
@@ -437,6 +438,14 @@ class DataConfig:
     # 0: lengths uniform in [min_digits, max_digits]. > 0: a power law, P(n) ∝ (n - min_digits + 1)^-tail,
     # so most strings are short and a few are long (long-tailed response lengths, as in reasoning RL).
     length_tail: float = 0.0
+    # data.name=arithmetic: fewest operations in an expression (each one step of the worked solution).
+    arithmetic_min_ops: int = 1
+    # data.name=arithmetic: most operations in an expression (the difficulty: more steps to chain).
+    arithmetic_max_ops: int = 2
+    # data.name=arithmetic: numbers are whole numbers from 0 to this (9: one digit each).
+    arithmetic_max_operand: int = 9
+    # data.name=arithmetic: the operators drawn from, a subset of +-* (multiplications are done first).
+    arithmetic_operators: str = "+-*"
     # plain | qa (Question/Answer framing asking for '#### <number>') | math (Problem/Solution
     # framing asking for a \boxed{} answer) | chat (the bare question as one user message through
     # the tokenizer's chat template; needs a tokenizer with one)
@@ -466,7 +475,8 @@ class DataConfig:
     shuffle: bool = True
     # Held-out JSONL in data.name's format (same keys, template and reward): the eval set named
     # "data" (eval.datasets) that trainer.eval_interval and python -m megatron_rl.eval score.
-    # Synthetic tasks need none: they draw eval.limit fresh prompts from another seed.
+    # Synthetic tasks need none: they draw eval.limit fresh prompts from another seed (arithmetic:
+    # from its held-out split, which no training prompt is in).
     eval_path: Optional[str] = None
 
 

@@ -47,7 +47,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "correction.is_level": IS_LEVELS,
     "correction.reject": REJECT_LEVELS,
     "learner.lr_decay_style": ("constant", "linear", "cosine"),
-    "data.name": ("reverse_digits", "sort_digits", "file", "gsm8k", "math500", "jsonl"),
+    "data.name": ("reverse_digits", "sort_digits", "arithmetic", "file", "gsm8k", "math500", "jsonl"),
     "data.template": ("plain", "qa", "math", "chat"),
     "data.tokenizer": ("auto", "char", "bpe", "model"),
     "reward.name": REWARDS.names,
@@ -255,7 +255,7 @@ def validate_eval(cfg: RootConfig, held_out: bool = True) -> None:
         raise ConfigError(f"eval.k={e.k} must be between 1 and eval.samples={e.samples} (pass@k needs k <= n samples)")
     if "data" not in e.datasets:
         return
-    synthetic = d.name in ("reverse_digits", "sort_digits")
+    synthetic = d.name in ("reverse_digits", "sort_digits", "arithmetic")
     if synthetic and not e.limit:
         raise ConfigError(f"eval.datasets has data, and data.name={d.name} draws prompts without end: set eval.limit "
                           "(e.g. eval.limit=64)")
@@ -288,6 +288,24 @@ def _data_sources(d: Any) -> None:
         source_specs(d)
     except UserError as err:
         raise ConfigError(str(err)) from None
+
+
+def _arithmetic(d: Any) -> None:
+    """data.arithmetic_* make expressions, and the longest of them fits data.max_prompt_tokens."""
+    if not 1 <= d.arithmetic_min_ops <= d.arithmetic_max_ops:
+        raise ConfigError(f"data.arithmetic_min_ops={d.arithmetic_min_ops} and data.arithmetic_max_ops="
+                          f"{d.arithmetic_max_ops} must satisfy 1 <= min <= max (e.g. 1 and 2)")
+    if d.arithmetic_max_operand < 1:
+        raise ConfigError(f"data.arithmetic_max_operand={d.arithmetic_max_operand} must be >= 1 (e.g. 9)")
+    ops = d.arithmetic_operators
+    if not ops or set(ops) - set("+-*") or len(set(ops)) != len(ops):
+        raise ConfigError(f"data.arithmetic_operators={ops!r} must be some of +, - and * once each (e.g. '+-*')")
+    # <bos>, every number at its widest, the operators and '='.
+    longest = 1 + (d.arithmetic_max_ops + 1) * len(str(d.arithmetic_max_operand)) + d.arithmetic_max_ops + 1
+    if longest > d.max_prompt_tokens:
+        raise ConfigError(f"data.name=arithmetic's longest prompt is {longest} tokens, more than data.max_prompt_tokens="
+                          f"{d.max_prompt_tokens}: raise data.max_prompt_tokens to {longest} or lower "
+                          "data.arithmetic_max_ops")
 
 
 def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
@@ -418,6 +436,8 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
                           + ": set learner.share_prompts=false")
     _data_sources(d)
+    if d.name == "arithmetic":
+        _arithmetic(d)
     needed = d.max_prompt_tokens + cfg.rollout.max_new_tokens
     if needed > m.max_position_embeddings:
         raise ConfigError(

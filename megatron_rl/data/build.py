@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional, Tuple
 
 from ..config.schema import RootConfig
+from .arithmetic import ALPHABET as ARITHMETIC_ALPHABET, ArithmeticTask
 from .datasets import CHAT, DatasetError, DatasetPrompts, DigitTask, PROMPT_KEYS, Prompt, TEMPLATES, row_location
 from .fields import RowFields, answer_targets, prompt_and_answer
 from .files import dataset_format, read_rows
@@ -20,7 +21,9 @@ from .mixture import MixedPrompts
 from .sources import SourceSpec, source_specs
 from .tokenizer import Tokenizer, char_tokenizer, load_pretrained_tokenizer, train_bpe
 
-SYNTHETIC_TASKS = DIGIT_TASKS = ("reverse_digits", "sort_digits")
+DIGIT_TASKS = ("reverse_digits", "sort_digits")
+# Tasks that generate their prompts (no data.path; the char tokenizer by default).
+SYNTHETIC_TASKS = (*DIGIT_TASKS, "arithmetic")
 # Files whose presence says a directory ships a tokenizer.
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 # A vocabulary this large is a pretrained one (the smallest in common use is Llama-2's 32,000); a
@@ -122,7 +125,7 @@ def build_tokenizer(cfg: RootConfig) -> Tokenizer:
                            "set model.path (or data.tokenizer_path) to a directory with a tokenizer, or "
                            + ("data.template=plain|qa" if d.template == CHAT else "data.apply_chat_template=null"))
     elif choice == "char":
-        tokenizer = char_tokenizer(d.digits + "=")
+        tokenizer = char_tokenizer(ARITHMETIC_ALPHABET if d.name == "arithmetic" else d.digits + "=")
     else:
         # Byte-level BPE trained on the datasets' own prompts and answers (offline, ~1 s).
         tokenizer = train_bpe(_training_texts(cfg), d.bpe_vocab_size)
@@ -166,6 +169,8 @@ def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
     if d.name in DIGIT_TASKS:
         return DigitTask(d.name, tokenizer, d.digits, d.min_digits, d.max_digits, cfg.trainer.seed,
                          distinct=d.distinct_digits, length_tail=d.length_tail)
+    if d.name == "arithmetic":
+        return arithmetic_task(cfg, tokenizer, cfg.trainer.seed, "train")
     specs = source_specs(d)
     chat = wraps_in_chat(cfg, tokenizer)
     # Source k shuffles with seed + k: a single source gives the stream it always gave.
@@ -178,6 +183,13 @@ def build_prompts(cfg: RootConfig, tokenizer: Tokenizer) -> Iterable[Prompt]:
     if len(datasets) == 1:
         return datasets[0]
     return MixedPrompts([(ds, s.weight) for ds, s in zip(datasets, specs)], cfg.trainer.seed)
+
+
+def arithmetic_task(cfg: RootConfig, tokenizer: Tokenizer, seed: int, split: str) -> ArithmeticTask:
+    """data.name=arithmetic's prompts of ``split`` (train for training, eval for the held-out set)."""
+    d = cfg.data
+    return ArithmeticTask(tokenizer, d.arithmetic_min_ops, d.arithmetic_max_ops, d.arithmetic_max_operand,
+                          d.arithmetic_operators, seed, split)
 
 
 def build_data(cfg: RootConfig) -> Tuple[Tokenizer, Iterable[Prompt]]:
