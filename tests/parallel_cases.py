@@ -242,3 +242,14 @@ def teacher_case(cfg: RootConfig, trajs) -> Dict[str, Any]:
 
     learner = Learner(cfg, VOCAB)
     return {"logprobs": learner.compute_logprobs(trajs, 1.0, teacher=True)}
+
+
+def routed_teachers_case(cfg: RootConfig, trajs, routing) -> Dict[str, Any]:
+    """A learner at ``cfg``'s layout with the named teachers of ``cfg.teacher.paths``: each of
+    ``trajs`` (a group of its own) scored by the teacher ``routing`` names (on every rank)."""
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.learner.teachers import teacher_logprobs
+
+    learner = Learner(cfg, VOCAB)
+    batch = TrainBatch.of_groups([[t] for t in trajs], routing)
+    return {"logprobs": teacher_logprobs(batch, lambda ts, name: learner.compute_logprobs(ts, 1.0, teacher=name))}

@@ -150,3 +150,26 @@ def test_each_rows_group_learns_its_own_teachers_answer(teachers, tmp_path):
     stop_123, stop_987, stop_5550 = (row[0] for row in student.compute_logprobs(first_eos, 1.0))
     print(f"log p(<eos> first): 123= {stop_123:.3f}, 987= {stop_987:.3f}, 5550= {stop_5550:.3f}")
     assert stop_123 > -0.3 and stop_5550 > -0.3 and stop_987 < -2.0, (stop_123, stop_987, stop_5550)
+
+
+def test_routed_teachers_score_over_data_parallel_replicas_as_one_process(megatron_world, tmp_path):
+    """Two teachers at DP=2, one of them with a single row (fewer rows than replicas): every
+    row's logprobs are the one-process ones."""
+    from hf_helpers import save_random_hf_model
+    from parallel_cases import batch, routed_teachers_case, tiny_cfg
+    from rank_harness import run_ranks
+
+    paths = {}
+    for name, seed in (("a", 5), ("b", 6)):
+        save_random_hf_model("llama", tmp_path / name, seed=seed, vocab_size=48, hidden_size=64, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        paths[name] = str(tmp_path / name)
+    cfg = tiny_cfg()
+    cfg.teacher.paths, cfg.teacher.field = paths, "data_source"
+    trajs = list(batch(5))
+    routing = ["a", "a", "b", "a", "a"]
+    reference = routed_teachers_case(cfg, trajs, routing)["logprobs"]
+    for rank in run_ranks(routed_teachers_case, world_size=2, args=(cfg, trajs, routing), timeout_s=240):
+        gap = max(abs(x - y) for rx, ry in zip(reference, rank["logprobs"]) for x, y in zip(rx, ry))
+        assert gap < 1e-5, gap
+        assert [len(r) for r in rank["logprobs"]] == [len(t.response_ids) for t in trajs]
