@@ -285,6 +285,10 @@ class AlgoConfig:
     policy_loss: str = "decoupled"
     # > 1: dual clip of negative-advantage tokens (ppo and decoupled); 0 disables.
     dual_clip: float = 0.0
+    # cispo: leave out the tokens PPO's clip would drop (A > 0 with r > 1 + clip_high, A < 0 with
+    # r < 1 - clip_low), the token mask of the MiniMax-M1 paper's unified objective; false: plain
+    # CISPO, every token keeps its gradient.
+    cispo_trust_mask: bool = False
     # DAPO dynamic sampling: drop groups whose rewards are all equal and admit more prompts until
     # the batch is full (counted in queue/filtered_total); the run stops after
     # filter_max_batches batches' worth of groups in a row are filtered.

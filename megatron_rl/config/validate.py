@@ -390,6 +390,9 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     _teacher(cfg)
     if cfg.algo.kl_in_reward and cfg.algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
+    if cfg.algo.cispo_trust_mask and cfg.algo.policy_loss != "cispo":
+        raise ConfigError(f"algo.cispo_trust_mask=true is read by algo.policy_loss=cispo only (it is "
+                          f"{cfg.algo.policy_loss}); set algo.policy_loss=cispo, or drop algo.cispo_trust_mask")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (e.g. 3), or 0 to disable")
     for key in ("algo.gamma", "algo.lam"):
