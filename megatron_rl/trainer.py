@@ -42,6 +42,7 @@ from .rollout.build import ENGINES
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.agent import AgentError, agent_metrics, runs
 from .learner.recipes import recipe_for
+from .learner.teachers import check_row_teachers, row_teacher
 from .rollout.dataset_responses import DatasetResponses
 from .rollout.workflow import build_workflow
 from .rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
@@ -233,6 +234,7 @@ class Trainer:
         # tokenizer.json with the tokenizer_config.json / generation_config.json that tell transformers
         # its EOS and PAD: the run directory is the tokenizer directory of its checkpoints.
         self.tokenizer.save_pretrained(self.run_dir)
+        check_row_teachers(prompts, cfg.teacher)  # several teachers: each row names one
         # Counted, so that a resumed run skips what the checkpointed run had drawn.
         self.prompts = CountingIterator(prompts)
         r = cfg.rollout
@@ -358,8 +360,11 @@ class Trainer:
         and the batch's metrics. Runs on the learner thread."""
         step = version + 1
         metrics = self.batch_metrics(groups, version)  # the verifier's rewards, before any KL charge
+        # Distillation from several teachers: each group's, named by its prompt's row.
+        teachers = ([row_teacher(p.row, self.cfg.teacher, f"prompt {p.uid}") for p in prompts]
+                    if self.cfg.teacher.paths else None)
         with self.timeline.span("train", step=step):
-            metrics.update(self.learners.call("train", groups, version, lr_at(self.cfg, step)))
+            metrics.update(self.learners.call("train", groups, version, lr_at(self.cfg, step), teachers))
         self.log_samples(step, prompts, groups)  # with the advantages the learner assigned
         return metrics
 

@@ -28,4 +28,4 @@ def replacing(batch: TrainBatch, **per_trajectory: Sequence) -> TrainBatch:
     import dataclasses
 
     trajs = [dataclasses.replace(t, **{k: v[i] for k, v in per_trajectory.items()}) for i, t in enumerate(batch)]
-    return TrainBatch(tuple(t.freeze() for t in trajs), batch.groups, dict(batch.fields))
+    return TrainBatch(tuple(t.freeze() for t in trajs), batch.groups, dict(batch.fields), batch.teachers)

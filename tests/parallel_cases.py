@@ -267,3 +267,14 @@ def resumed_step_case(cfg: RootConfig, checkpoint: str, trajs: List[Trajectory])
     load_checkpoint(learner, Path(checkpoint))
     metrics = learner.train_step(copy.deepcopy(trajs), 1.0, lr=cfg.learner.lr)
     return {"metrics": metrics, "weights": full_state(learner.module)}
+
+
+def routed_teachers_case(cfg: RootConfig, trajs, routing) -> Dict[str, Any]:
+    """A learner at ``cfg``'s layout with the named teachers of ``cfg.teacher.paths``: each of
+    ``trajs`` (a group of its own) scored by the teacher ``routing`` names (on every rank)."""
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.learner.teachers import teacher_logprobs
+
+    learner = Learner(cfg, VOCAB)
+    batch = TrainBatch.of_groups([[t] for t in trajs], routing)
+    return {"logprobs": teacher_logprobs(batch, lambda ts, name: learner.compute_logprobs(ts, 1.0, teacher=name))}

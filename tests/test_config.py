@@ -52,6 +52,7 @@ def test_a_path_from_the_home_folder_on_the_command_line(tmp_path, monkeypatch):
         ("learner.lr_decay_steps=0", "learner.lr_decay_steps=0 must be > 0"),
         ("data.length_tail=-1", "data.length_tail=-1.0 must be >= 0"),
         ("algo.dual_clip=0.5", "algo.dual_clip=0.5 must be > 1"),
+        ("algo.cispo_trust_mask=true", "algo.cispo_trust_mask=true is read by algo.policy_loss=cispo only"),
         ("scheduler.max_ahead_batches=0.5", "scheduler.max_ahead_batches=0.5 is less than one batch"),
         ("algo.kl_in_reward=true", "algo.kl_in_reward=true needs algo.kl_coef > 0"),
         ("algo.lam=1.5", "algo.lam=1.5 must be in [0, 1]"),

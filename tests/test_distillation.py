@@ -10,15 +10,10 @@ ranks scores its tokens, and the per-token advantage is log π_teacher - log π_
 import json
 
 import pytest
-import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.data.build import build_tokenizer
-from megatron_rl.models.convert import export_hf_checkpoint
-from megatron_rl.models.pretrained import vocab_size_for
-from megatron_rl.types import Trajectory
 
-from batches import advantaged
+from teacher_helpers import digit_teacher
 
 COMMON = ["trainer.progress=false", "trainer.save_final_checkpoint=false", "scheduler.max_staleness=0",
           "algo.group_size=4", "algo.groups_per_batch=4", "algo.entropy_coef=0", "learner.mini_batches=1"]
@@ -27,27 +22,7 @@ COMMON = ["trainer.progress=false", "trainer.save_final_checkpoint=false", "sche
 @pytest.fixture(scope="module")
 def stopping_teacher(tmp_path_factory):
     """An HF directory of tiny_cpu's shape whose model answers every prompt with <eos> at once."""
-    from megatron_rl.learner.learner import Learner
-
-    cfg = load_config("tiny_cpu", ["trainer.progress=false"])
-    tokenizer = build_tokenizer(cfg)
-    vocab = vocab_size_for(cfg.model, tokenizer.vocab_size)
-    learner = Learner(cfg, vocab, pad_id=tokenizer.pad_id)
-    gen = torch.Generator().manual_seed(0)
-    trajs, advantages = [], []
-    for i in range(16):
-        prompt = tokenizer.prompt_ids("".join(str(d) for d in torch.randint(0, 10, (4,), generator=gen).tolist()) + "=")
-        stop = i % 2 == 0
-        response = [tokenizer.eos_id] if stop else tokenizer.encode(str(1000 + i))[:3]
-        trajs.append(Trajectory("t", i, prompt, response, [-2.0] * len(response), [0] * len(response), "stop"))
-        advantages.append(1.0 if stop else -1.0)
-    for _ in range(12):
-        learner.train_step(advantaged(trajs, advantages), 1.0, lr=1e-2)
-    first = learner.compute_logprobs([trajs[0]], 1.0)[0][0]
-    assert first > -0.1, first  # <eos> first: nearly certain
-    path = tmp_path_factory.mktemp("teacher")
-    export_hf_checkpoint(learner.export_hf_weights(), cfg.model, vocab, path)
-    return path
+    return digit_teacher(tmp_path_factory.mktemp("teacher"), stops=True)
 
 
 def _run(tmp_path, overrides):

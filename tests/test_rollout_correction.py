@@ -143,6 +143,26 @@ def test_cispo_keeps_the_gradient_ppo_drops():
     assert ppo_grad.item() == 0.0 and cispo_grad.item() == pytest.approx(-1.2)
 
 
+def test_cispo_trust_mask_drops_what_ppo_clip_drops():
+    """The unified form's mask M: tokens PPO's clip leaves without gradient (A > 0 above
+    1 + clip_high, A < 0 below 1 - clip_low) leave the loss; the others keep -sg(r̂)·A."""
+    old = torch.log(torch.full((6,), 0.5, dtype=F64))
+    probs = [0.9, 0.9, 0.3, 0.3, 0.55, 0.55]  # ratios 1.8, 1.8, 0.6, 0.6, 1.1, 1.1
+    new = torch.log(torch.tensor(probs, dtype=F64)).requires_grad_(True)
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 2.0, -2.0], dtype=F64)
+    mask = torch.ones(6, dtype=F64)
+    loss, stats = cispo_loss(new, old, adv, mask, clip_low=0.2, clip_high=0.28, trust_mask=True)
+    loss.sum().backward()
+    weight = [1.28, 1.28, 0.8, 0.8, 1.1, 1.1]
+    kept = [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]  # PPO drops (A > 0, r = 1.8) and (A < 0, r = 0.6)
+    expected = [-w * a * k for w, a, k in zip(weight, adv.tolist(), kept)]
+    assert torch.allclose(new.grad, torch.tensor(expected, dtype=F64), rtol=1e-12, atol=0)
+    assert stats["clipped_tokens"].item() == 2
+    ppo, _ = ppo_clip_loss(new, old, adv, mask, 0.2, 0.28)
+    (ppo_grad,) = torch.autograd.grad(ppo.sum(), new)
+    assert [g == 0 for g in ppo_grad.tolist()] == [k == 0 for k in kept]
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"is_level": "token"}, "already does"),
     ({"reject": "token", "reject_low": 3.0, "reject_high": 2.0}, "band"),

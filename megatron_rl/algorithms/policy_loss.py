@@ -110,7 +110,7 @@ def gspo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
 
 
 def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-               mask: torch.Tensor, clip_low: float = 1.0, clip_high: float = 4.0,
+               mask: torch.Tensor, clip_low: float = 1.0, clip_high: float = 4.0, trust_mask: bool = False,
                ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """CISPO (MiniMax-M1, MiniMax 2025): a REINFORCE gradient weighted by the clipped, detached
     importance ratio, so no token's gradient is ever dropped (PPO's clip zeroes the gradient of
@@ -121,13 +121,21 @@ def cispo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: t
     Written as -sg(r̂)·A·exp(logp - sg(logp)): the same gradient, and the value -r̂·A (the
     surrogate's at r = 1) instead of a log-probability-sized number. The paper bounds only the
     top (clip_low = 1 leaves the bottom at 0). ``clipped_tokens`` counts tokens whose weight was
-    clipped, in either direction."""
+    clipped, in either direction.
+
+    ``trust_mask``: the paper's unified form (its eq. 7), loss_t · M_t with M_t = 0 where PPO's
+    clip would drop the token's gradient (A > 0 and r > 1 + clip_high, or A < 0 and r < 1 -
+    clip_low); ``clipped_tokens`` then counts the masked tokens."""
     ratio = torch.exp((logprobs - old_logprobs).detach())
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     loss = -weight * advantages * torch.exp(logprobs - logprobs.detach())
+    clipped = weight != ratio
+    if trust_mask:
+        clipped = ((advantages > 0) & (ratio > 1.0 + clip_high)) | ((advantages < 0) & (ratio < 1.0 - clip_low))
+        loss = torch.where(clipped, torch.zeros_like(loss), loss)
     with torch.no_grad():
         stats = {
-            "clipped_tokens": ((weight != ratio).float() * mask).sum(),
+            "clipped_tokens": (clipped.float() * mask).sum(),
             "ratio_sum": (ratio * mask).sum(),
             "approx_kl_sum": (((ratio - 1) - (logprobs - old_logprobs)) * mask).sum(),
         }
@@ -170,7 +178,8 @@ def _gspo(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprob
 def _cispo(logprobs: torch.Tensor, proximal_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
            advantages: torch.Tensor, mask: torch.Tensor, algo: "AlgoConfig",
            ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    return cispo_loss(logprobs, proximal_logprobs, advantages, mask, algo.clip_low, algo.clip_high)
+    return cispo_loss(logprobs, proximal_logprobs, advantages, mask, algo.clip_low, algo.clip_high,
+                      algo.cispo_trust_mask)
 
 
 @POLICY_LOSSES.register("nll")

@@ -303,6 +303,10 @@ class AlgoConfig:
     policy_loss: str = "decoupled"
     # > 1: dual clip of negative-advantage tokens (ppo and decoupled); 0 disables.
     dual_clip: float = 0.0
+    # cispo: leave out the tokens PPO's clip would drop (A > 0 with r > 1 + clip_high, A < 0 with
+    # r < 1 - clip_low), the token mask of the MiniMax-M1 paper's unified objective; false: plain
+    # CISPO, every token keeps its gradient.
+    cispo_trust_mask: bool = False
     # DAPO dynamic sampling: drop groups whose rewards are all equal and admit more prompts until
     # the batch is full (counted in queue/filtered_total); the run stops after
     # filter_max_batches batches' worth of groups in a row are filtered.
@@ -380,6 +384,16 @@ class TeacherConfig:
     # The teacher's checkpoint: a Hugging Face directory or a Megatron checkpoint of this run's
     # kind; its architecture is its own, its vocabulary must be the student's (same tokenizer).
     path: Optional[str] = None
+    # Several teachers, one per kind of row: {name: checkpoint} (each as teacher.path), every row
+    # scored by the teacher that its teacher.field names, e.g.
+    # 'teacher.paths={math: /ckpt/math-hf, code: /ckpt/code-hf}' teacher.field=data_source.
+    # Instead of teacher.path; each is built once, frozen, with the learner's layout.
+    paths: Dict[str, str] = field(default_factory=dict)
+    # The dataset row field that names each row's teacher (a key of teacher.paths).
+    field: Optional[str] = None
+    # The teacher (a key of teacher.paths) of rows without teacher.field or with it empty; None:
+    # such a row is an error.
+    default: Optional[str] = None
     # Weight of the reward's group advantage added to the per-token distillation advantage
     # log π_teacher - log π_student (0: distillation alone).
     reward_weight: float = 0.0

@@ -184,19 +184,40 @@ def _group_size(cfg: RootConfig) -> None:
 
 
 def _teacher(cfg: RootConfig) -> None:
-    """A teacher exactly when the learner recipe distils from one."""
+    """A teacher (teacher.path) or named teachers routed by a row field (teacher.paths,
+    teacher.field, teacher.default) exactly when the learner recipe distils."""
     from ..learner.recipes import recipe_for
 
+    t = cfg.teacher
     wants = recipe_for(cfg.algo.name).teacher
-    path = cfg.teacher.path
-    if wants and not path:
+    if wants and not (t.path or t.paths):
         raise ConfigError(f"algo.name={cfg.algo.name} distils from a teacher: set teacher.path=<a Hugging Face or "
-                          "Megatron checkpoint with the student's tokenizer>")
-    if path and not wants:
-        raise ConfigError(f"teacher.path={path!r} is only read by on-policy distillation: set algo.name=opd, or "
-                          "drop teacher.path")
-    if path and not Path(path).is_dir():
-        raise ConfigError(f"teacher.path={path!r} is not a directory (a Hugging Face or Megatron checkpoint)")
+                          "Megatron checkpoint with the student's tokenizer>, or teacher.paths and teacher.field "
+                          "for one teacher per kind of row")
+    if not wants:
+        for key in ("path", "paths", "field", "default"):
+            if getattr(t, key):
+                raise ConfigError(f"teacher.{key}={getattr(t, key)!r} is only read by on-policy distillation: set "
+                                  f"algo.name=opd, or drop teacher.{key}")
+        return
+    if t.path and t.paths:
+        raise ConfigError("teacher.path and teacher.paths are both set: give one teacher as teacher.path, or every "
+                          "teacher (the default one too) in teacher.paths with teacher.default naming it")
+    if t.paths and not t.field:
+        raise ConfigError(f"teacher.paths names {len(t.paths)} teachers but not which row gets which: set "
+                          "teacher.field to the dataset row field holding a teacher's name (e.g. data_source)")
+    if (t.field or t.default) and not t.paths:
+        key = "field" if t.field else "default"
+        raise ConfigError(f"teacher.{key} chooses among named teachers: set teacher.paths={{name: checkpoint, ...}}, "
+                          f"or drop teacher.{key} for the one teacher of teacher.path")
+    if t.default is not None and t.default not in t.paths:
+        raise ConfigError(f"teacher.default={t.default!r} is not a teacher of teacher.paths (names: "
+                          f"{', '.join(sorted(t.paths))})")
+    checkpoints = {f"teacher.paths.{name}": path for name, path in t.paths.items()} if t.paths else \
+        {"teacher.path": t.path}
+    for key, path in checkpoints.items():
+        if not path or not Path(path).is_dir():
+            raise ConfigError(f"{key}={path!r} is not a directory (a Hugging Face or Megatron checkpoint)")
 
 
 def _lora(cfg: RootConfig) -> None:
@@ -413,6 +434,9 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
     _lora(cfg)
     if cfg.algo.kl_in_reward and cfg.algo.kl_coef <= 0:
         raise ConfigError("algo.kl_in_reward=true needs algo.kl_coef > 0 (e.g. algo.kl_coef=0.001)")
+    if cfg.algo.cispo_trust_mask and cfg.algo.policy_loss != "cispo":
+        raise ConfigError(f"algo.cispo_trust_mask=true is read by algo.policy_loss=cispo only (it is "
+                          f"{cfg.algo.policy_loss}); set algo.policy_loss=cispo, or drop algo.cispo_trust_mask")
     if cfg.algo.dual_clip and cfg.algo.dual_clip <= 1:
         raise ConfigError(f"algo.dual_clip={cfg.algo.dual_clip} must be > 1 (e.g. 3), or 0 to disable")
     for key in ("algo.gamma", "algo.lam"):

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import logging
 from functools import partial
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,6 +32,7 @@ from ..types import Trajectory
 from .batch import MicroBatch
 from .train_batch import TrainBatch
 from .logprobs import token_logprobs, token_logprobs_and_entropy
+from .teachers import build_teachers
 from .megatron_step import (finite_mean, local_micro_batches, minibatch_steps, optimizer_step, per_token_outputs,
                             set_lr, weights_finite, wrap_for_training)
 from .parallel import init_model_parallel
@@ -60,32 +61,8 @@ def forward_micro_batch(model: torch.nn.Module, mb: MicroBatch) -> torch.Tensor:
     return shared.gather(logits)
 
 
-def build_teacher(cfg: RootConfig, vocab_size: int) -> torch.nn.Module:
-    """The frozen teacher of ``teacher.path`` with the learner's parallel layout and dtype; its
-    vocabulary must be the student's (ConfigError otherwise)."""
-    from ..config.schema import ModelConfig
-    from ..models.convert import pretrained_model_config
-    from ..models.pretrained import resolve_model_config
-
-    path = cfg.teacher.path
-    try:
-        model_cfg = resolve_model_config(ModelConfig(path=path, dtype=cfg.model.dtype))
-        _, teacher_vocab = pretrained_model_config(path, cfg.model.dtype)
-    except ValueError as err:
-        raise ConfigError(str(err).replace("model.path", "teacher.path")) from None
-    if teacher_vocab != vocab_size:
-        raise ConfigError(f"teacher.path={path!r} has a vocabulary of {teacher_vocab} ids and the student "
-                          f"{vocab_size}: distillation compares the two token by token, so they need one tokenizer "
-                          "(a teacher of the student's family, or model.path at a checkpoint with the teacher's)")
-    lc = cfg.learner
-    teacher = build_gpt_model(model_cfg, vocab_size, tp=lc.tp, pp=lc.pp, ep=lc.ep)
-    load_pretrained(teacher, model_cfg, path)
-    stack_expert_parameters(teacher)  # its forwards then read the experts' weights in place
-    return teacher.requires_grad_(False).eval()
-
-
 class Learner:
-    """Policy model, optional frozen reference and teacher, Megatron optimizer."""
+    """Policy model, optional frozen reference and teachers, Megatron optimizer."""
 
     def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int = 0):
         self.cfg = cfg
@@ -125,8 +102,9 @@ class Learner:
             stack_expert_parameters(self.ref_model)
             self.ref_model.load_state_dict(self.module.state_dict())
             self.ref_model.requires_grad_(False).eval()
-        # On-policy distillation: the frozen teacher, its own architecture, the learner's layout.
-        self.teacher: Optional[torch.nn.Module] = build_teacher(cfg, vocab_size) if cfg.teacher.path else None
+        # On-policy distillation: the frozen teachers by name (learner/teachers.py), each its own
+        # architecture with the learner's layout.
+        self.teachers: Dict[str, torch.nn.Module] = build_teachers(cfg, vocab_size)
         self.optimizer_steps = 0
         self.skipped_in_a_row = 0
         self.correction = Correction(**dataclasses.asdict(cfg.correction))
@@ -173,14 +151,13 @@ class Learner:
     # ---------------------------------------------------------------- forward only
     @torch.no_grad()
     def compute_logprobs(self, trajs: Sequence[Trajectory], temperature: float,
-                         reference: bool = False, teacher: bool = False) -> List[List[float]]:
+                         reference: bool = False, teacher: Union[bool, str] = False) -> List[List[float]]:
         """Per-response-token logprobs of each trajectory under the current weights, the
-        reference's or the teacher's."""
+        reference's or a teacher's (``teacher``: its name, or True for the only one)."""
         if teacher:
-            if self.teacher is None:
-                raise RuntimeError("no teacher: set teacher.path to build one")
+            model = self._teacher(teacher)
             # Another network than the one that sampled: it routes by its own routers.
-            return per_token_outputs(self.teacher, trajs, self.cfg.learner, self.pad_id,
+            return per_token_outputs(model, trajs, self.cfg.learner, self.pad_id,
                                      partial(self._forward_step, temperature=temperature))
         if reference and not self.has_reference:
             raise RuntimeError("no reference model: set algo.kl_coef > 0 to build one")
@@ -192,6 +169,15 @@ class Learner:
         with self._routing(model, count=not reference), base_only, dropout_disabled(self.module):
             return per_token_outputs(model, trajs, self.cfg.learner, self.pad_id,
                                      partial(self._forward_step, temperature=temperature))
+
+    def _teacher(self, name: Union[bool, str]) -> torch.nn.Module:
+        if name is True:
+            if len(self.teachers) != 1:
+                raise RuntimeError(f"{len(self.teachers)} teachers ({sorted(self.teachers)}): name the one to use")
+            return next(iter(self.teachers.values()))
+        if name not in self.teachers:
+            raise RuntimeError(f"no teacher {name!r} (teachers: {sorted(self.teachers) or 'none; set teacher.path'})")
+        return self.teachers[name]
 
     @contextlib.contextmanager
     def _routing(self, model: torch.nn.Module, count: bool) -> Iterator[None]:

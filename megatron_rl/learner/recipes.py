@@ -16,7 +16,7 @@ compute them again).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, sample_advantages
 from ..algorithms.kl import kl_shaped_reward
 from ..registry import Registry
 from ..algorithms.gae import gae_advantages, masked_whiten
+from .teachers import teacher_logprobs
 from .train_batch import TrainBatch, padded
 
 if TYPE_CHECKING:
@@ -76,7 +77,8 @@ class CriticRecipe(LearnerRecipe):
 
 class DistillationRecipe(LearnerRecipe):
     """On-policy distillation (Agarwal et al. 2024, GKD; Thinking Machines 2025): the student
-    samples, the frozen teacher (``teacher.path``) scores the student's tokens, and each token's
+    samples, a frozen teacher (``teacher.path``, or per row the one of ``teacher.paths`` its
+    ``teacher.field`` names: learner/teachers.py) scores the student's tokens, and each token's
     advantage is log π_teacher(y_t) - log π_student(y_t), the negative per-token reverse KL, so
     the policy-gradient step lowers KL(π_student ‖ π_teacher) on the states the student visits.
     ``teacher.reward_weight`` > 0 adds that weight times the reward's group advantage."""
@@ -89,18 +91,33 @@ class DistillationRecipe(LearnerRecipe):
         if not batch.has("proximal_logprobs"):
             batch = batch.with_fields(proximal_logprobs=learner.compute_logprobs(batch, temperature))
         student = batch.get("proximal_logprobs")
-        teacher = learner.compute_logprobs(batch, temperature, teacher=True)
+        teacher = teacher_logprobs(batch, lambda trajs, name: learner.compute_logprobs(trajs, temperature,
+                                                                                         teacher=name))
         advantages = [[t - s for t, s in zip(t_row, s_row)] for t_row, s_row in zip(teacher, student)]
         weight = worker.cfg.teacher.reward_weight
         if weight:
             grouped = with_group_advantages(worker, batch).get("advantages")
             advantages = [[a + weight * g for a, g in zip(row, g_row)] for row, g_row in zip(advantages, grouped)]
-        masks = [t.loss_mask for t in batch]
-        tokens = sum(sum(m) for m in masks)
-        reverse_kl = sum((s - t) * m for s_row, t_row, mask in zip(student, teacher, masks)
-                         for s, t, m in zip(s_row, t_row, mask))
-        metrics["distill/reverse_kl"] = reverse_kl / tokens if tokens else 0.0
+        metrics.update(reverse_kl_metrics(batch, student, teacher))
         return batch.with_fields(advantages=advantages), metrics
+
+
+def reverse_kl_metrics(batch: TrainBatch, student: Sequence[Sequence[float]],
+                       teacher: Sequence[Sequence[float]]) -> Metrics:
+    """``distill/reverse_kl``: the sampled-token estimate of KL(π_student ‖ π_teacher) per
+    trained token; with several teachers also ``distill/reverse_kl/<name>`` over each one's rows."""
+    names = batch.teachers or ("",) * len(batch)
+    sums: Dict[str, List[float]] = {}
+    for traj, name, s_row, t_row in zip(batch, names, student, teacher):
+        kl, tokens = sums.setdefault(name, [0.0, 0.0])
+        sums[name] = [kl + sum((s - t) * m for s, t, m in zip(s_row, t_row, traj.loss_mask)),
+                      tokens + sum(traj.loss_mask)]
+    kl_total, tokens_total = (sum(v[i] for v in sums.values()) for i in (0, 1))
+    metrics = {"distill/reverse_kl": kl_total / tokens_total if tokens_total else 0.0}
+    if batch.teachers:
+        metrics.update({f"distill/reverse_kl/{name}": kl / tokens if tokens else 0.0
+                        for name, (kl, tokens) in sums.items()})
+    return metrics
 
 
 class SupervisedRecipe(LearnerRecipe):

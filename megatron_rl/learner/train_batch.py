@@ -32,22 +32,30 @@ class TrainBatch(Sequence[Trajectory]):
     # Each group's trajectory indices (group-relative advantages need them).
     groups: Tuple[Tuple[int, ...], ...] = ()
     fields: Mapping[str, tuple] = field(default_factory=dict)
+    # On-policy distillation with several teachers: each trajectory's teacher (a teacher.paths
+    # name, from its prompt row); empty with one teacher or none.
+    teachers: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
 
     def __reduce__(self):  # pickles (to other ranks) and copies as its parts
-        return TrainBatch, (self.trajectories, self.groups, dict(self.fields))
+        return TrainBatch, (self.trajectories, self.groups, dict(self.fields), self.teachers)
 
     @classmethod
-    def of_groups(cls, groups: Sequence[Sequence[Trajectory]]) -> "TrainBatch":
-        """The batch of these groups' trajectories, frozen from now on."""
+    def of_groups(cls, groups: Sequence[Sequence[Trajectory]],
+                  teachers: Optional[Sequence[str]] = None) -> "TrainBatch":
+        """The batch of these groups' trajectories, frozen from now on; ``teachers``: each
+        group's teacher name (distillation from several teachers)."""
         trajs: List[Trajectory] = []
         index: List[Tuple[int, ...]] = []
         for grp in groups:
             index.append(tuple(range(len(trajs), len(trajs) + len(grp))))
             trajs.extend(grp)
-        return cls(tuple(t.freeze() for t in trajs), tuple(index))
+        if teachers is not None and len(teachers) != len(groups):
+            raise ValueError(f"{len(teachers)} teacher names for {len(groups)} groups")
+        per_trajectory = tuple(name for name, grp in zip(teachers or (), groups) for _ in grp)
+        return cls(tuple(t.freeze() for t in trajs), tuple(index), teachers=per_trajectory)
 
     @classmethod
     def of(cls, trajs: Sequence[Trajectory], **fields: Sequence) -> "TrainBatch":
@@ -67,7 +75,7 @@ class TrainBatch(Sequence[Trajectory]):
         converted = {name: tuple(float(v) for v in values) if name in SEQUENCE_FIELDS
                      else tuple(self._token_row(name, i, row) for i, row in enumerate(values))
                      for name, values in new.items()}
-        return TrainBatch(self.trajectories, self.groups, {**self.fields, **converted})
+        return TrainBatch(self.trajectories, self.groups, {**self.fields, **converted}, self.teachers)
 
     def _token_row(self, name: str, i: int, row: Sequence[float]) -> Tuple[float, ...]:
         traj = self.trajectories[i]
@@ -111,7 +119,8 @@ class TrainBatch(Sequence[Trajectory]):
             raise ValueError("a TrainBatch slices into contiguous sub-batches only")
         kept = {name: values[start:stop] for name, values in self.fields.items()}
         groups = tuple(tuple(i - start for i in grp if start <= i < stop) for grp in self.groups)
-        return TrainBatch(self.trajectories[start:stop], tuple(g for g in groups if g), kept)
+        return TrainBatch(self.trajectories[start:stop], tuple(g for g in groups if g), kept,
+                          self.teachers[start:stop])
 
 
 def token_values(samples: Sequence[Trajectory], i: int) -> Dict[str, Sequence[float]]:

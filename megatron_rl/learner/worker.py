@@ -64,11 +64,13 @@ class LearnerWorker:
         return self.learner.vocab_size
 
     # ---------------------------------------------------------------- a step
-    def train(self, groups: List[List[Trajectory]], version: int, lr: float) -> Dict[str, float]:
+    def train(self, groups: List[List[Trajectory]], version: int, lr: float,
+              teachers: Optional[List[str]] = None) -> Dict[str, float]:
         """One update of policy ``version`` on these scored groups: the algorithm's recipe fills
         the batch (rewards trained on, advantages, ...), the learner updates, then what the
-        recipe runs after (the critic's update)."""
-        batch = TrainBatch.of_groups(groups)  # the trajectories are frozen from here on
+        recipe runs after (the critic's update). ``teachers``: each group's teacher name
+        (distillation from several teachers, learner/teachers.py)."""
+        batch = TrainBatch.of_groups(groups, teachers)  # the trajectories are frozen from here on
         self._sleep_local_engine()
         batch, metrics = self.recipe.prepare(self, batch)
         with self._span("train", step=version + 1):
