@@ -22,6 +22,13 @@ class UserError(ValueError):
     """A failure the user can fix; the message is one line: what, where, how to fix it."""
 
 
+class ConfigError(UserError):
+    """A config value that cannot work. The message is one line a user can act on.
+
+    Here, not in config/, so that the packages owning a key's meaning raise it without importing
+    the config package's checks."""
+
+
 def one_line(err: BaseException) -> str:
     """An error's message on one line (a multi-line message is joined, never cut)."""
     return " ".join(part.strip() for part in str(err).splitlines() if part.strip()) or type(err).__name__

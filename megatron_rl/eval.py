@@ -93,8 +93,8 @@ def load_eval_config(recipe: str, overrides: List[str], run_dir: str, random_ini
     written, synchronous, the given run directory; checked for the eval (``eval.*``) and for a
     tokenizer that can read the checkpoint's tokens. ``random_init``: no checkpoint, the recipe's
     model as a run from scratch initialises it."""
-    from .config import ConfigError, load_config
-    from .config.validate import validate_eval
+    from .checks import load_config, validate_eval
+    from .errors import ConfigError
 
     cfg = load_config(recipe, ["trainer.progress=false", "trainer.save_final_checkpoint=false", "trainer.resume=false",
                                f"trainer.run_dir={run_dir}", "scheduler.max_staleness=0", "trainer.eval_interval=0",

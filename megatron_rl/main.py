@@ -59,7 +59,8 @@ def run_guarded(run: Callable[[], Optional[dict]], prog: str = "megatron_rl") ->
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from .config import ConfigError, load_config
+    from .checks import load_config
+    from .errors import ConfigError
     from .config.load import recipe_name
     from .errors import report
     from .stop import record_exit

@@ -25,7 +25,7 @@ import torch
 
 from .checkpoint.resume import CountingIterator, capture_rng, restore_rng
 from .config.schema import RootConfig
-from .config.validate import ConfigError
+from .errors import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
 from .learner.group import LearnerGroup, LearnerRanksFailed

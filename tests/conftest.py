@@ -28,7 +28,7 @@ def megatron_world():
 
 @pytest.fixture
 def tiny_cfg():
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     return load_config("tiny_cpu", ["trainer.progress=false"])
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.config import load_config
+from megatron_rl.checks import load_config
 from megatron_rl.data.build import build_tokenizer
 from megatron_rl.models.convert import export_hf_checkpoint
 from megatron_rl.models.pretrained import vocab_size_for

@@ -26,7 +26,7 @@ def chat_tokenizer_dir(tmp_path_factory):
 
 
 def _trainer(tokenizer_dir, run_dir, workflow, *extra):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     return recording_trainer(load_config("tiny_cpu", [*agent_overrides(tokenizer_dir, run_dir, workflow), *extra]))
 
@@ -187,7 +187,8 @@ def test_data_holds_every_column_of_the_row_and_the_trainers_keys_win():
 
 
 def test_agent_args_construct_the_agent_class_and_are_checked_at_config_time():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.checks import load_config
+    from megatron_rl.config import ConfigError
     from megatron_rl.rollout.workflow import resolve_agent
 
     cfg = load_config("tiny_cpu", ["rollout.workflow=calculator_agent", "rollout.agent_args.max_turns=5"])

@@ -40,7 +40,7 @@ def test_a_turn_that_rewrites_history_starts_a_new_trajectory_with_discount():
 
 def test_group_advantages_count_one_run_once():
     from megatron_rl.algorithms.advantages import sample_advantages
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     algo = load_config("tiny_cpu", ["algo.name=dr_grpo"]).algo
     run0 = run_trajectories([Turn([1], [2], [0.0], [0], "stop"), Turn([5], [6], [0.0], [0], "stop")], "p", 0,
@@ -68,7 +68,7 @@ def chat_tokenizer_dir(tmp_path_factory):
 
 
 def test_calculator_agent_trains_and_every_token_is_the_engines(megatron_world, chat_tokenizer_dir, tmp_path):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     trainer, trained = recording_trainer(load_config("tiny_cpu", agent_overrides(chat_tokenizer_dir, tmp_path / "run")))
     summary = trainer.run()
@@ -126,7 +126,7 @@ def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_ch
 
     from tokenizers import Tokenizer as HFTokenizer
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.trainer import Trainer
 
     cfg = load_config("tiny_cpu", [
@@ -154,7 +154,7 @@ def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_ch
 
 def test_an_agent_function_loaded_by_import_path_trains(megatron_world, hf_dir, tmp_path):
     """``async def run_agent_return_reward(data)`` making its own client with openai_client()."""
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.trainer import Trainer
 
     cfg = load_config("tiny_cpu", [f"model.path={hf_dir}",
@@ -187,7 +187,8 @@ def test_an_agent_function_loaded_by_import_path_trains(megatron_world, hf_dir, 
     ("agent_helpers:", "is not an import path"),
 ])
 def test_a_wrong_agent_path_or_signature_is_one_clear_line(workflow, message):
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.checks import load_config
+    from megatron_rl.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
         load_config("tiny_cpu", [f"rollout.workflow={workflow}"])
@@ -196,7 +197,7 @@ def test_a_wrong_agent_path_or_signature_is_one_clear_line(workflow, message):
 
 
 def test_an_agent_returning_no_number_stops_the_run_with_one_line(megatron_world, hf_dir, tmp_path, capsys):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.main import run_guarded
     from megatron_rl.trainer import Trainer
 
@@ -232,7 +233,7 @@ def test_chat_template_renders_tool_calls_and_results_back_into_the_history(chat
 
 
 def test_vocabulary_error_points_at_data_tokenizer_model(hf_dir):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.models.pretrained import vocab_size_for
 
     cfg = load_config("tiny_cpu", [f"model.path={hf_dir}"])

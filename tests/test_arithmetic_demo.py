@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.data.arithmetic import ALPHABET, ArithmeticTask, is_held_out, worked_solution
 from megatron_rl.data.build import build_data
 from megatron_rl.data.tokenizer import char_tokenizer

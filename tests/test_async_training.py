@@ -8,7 +8,7 @@ import sys
 import time
 from collections import Counter
 
-from megatron_rl.config import load_config
+from megatron_rl.checks import load_config
 
 
 def _run_cli(run_dir, *overrides, timeout=900):

@@ -12,7 +12,9 @@ import pytest
 from agent_helpers import GSM8K, write_tokenizer
 from hf_helpers import save_random_hf_model
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 
 GSM8K_TEST = GSM8K.parent / "test.jsonl"
 SMALL_RUN = ["trainer.progress=false", "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1",

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 
 
 def test_tiny_cpu_loads_and_overrides():
@@ -195,7 +197,8 @@ def test_vllm_engine_is_accepted_where_vllm_is_installed():
 
 
 def test_torchrun_world_takes_every_algorithm_and_vllm_engines_by_broadcast():
-    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.checks import load_config
+    from megatron_rl.config import ConfigError
 
     assert load_config("tiny_cpu", ["algo.name=gae"], distributed=True).algo.name == "gae"
     # vLLM in the world: past the world checks (here it fails only for want of vLLM, or loads).
@@ -216,6 +219,6 @@ def test_torchrun_world_takes_every_algorithm_and_vllm_engines_by_broadcast():
     (["model.family=qwen3_moe", "model.num_experts=4", "algo.routing_replay=rollout"], True),
 ])
 def test_routing_replay_auto_is_on_for_moe_with_the_embedded_engine(overrides, on):
-    from megatron_rl.config.validate import routing_replay_on
+    from megatron_rl.models.routing import routing_replay_on
 
     assert routing_replay_on(load_config("tiny_cpu", overrides)) is on

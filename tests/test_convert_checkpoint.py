@@ -240,7 +240,7 @@ def test_bf16_checkpoint_keeps_its_dtype_both_ways(megatron_world, tmp_path):
 def test_random_init_learner_exports_to_transformers(megatron_world, tmp_path, overrides):
     """A model trained from scratch (no HF config to start from) exports a config.json of its own
     that transformers builds the same model from."""
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.learner.learner import Learner, forward_logits
     from megatron_rl.models.convert import export_hf_checkpoint
 

@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.data.build import build_prompts, build_tokenizer
 from megatron_rl.data.datasets import DatasetError, DatasetPrompts
 from megatron_rl.data.tokenizer import char_tokenizer, write_chat_tokenizer

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from megatron_rl.config import load_config
+from megatron_rl.checks import load_config
 
 from teacher_helpers import digit_teacher
 

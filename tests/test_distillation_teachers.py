@@ -14,7 +14,9 @@ import json
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.data.build import build_tokenizer
 from megatron_rl.data.files import DatasetError
 from megatron_rl.learner.teachers import row_teacher

@@ -285,7 +285,7 @@ def test_engine_rows_hold_what_rollouts_need_not_the_checkpoints_whole_context(m
     """A checkpoint's max_position_embeddings (40,960 for Qwen3) does not size the KV cache: rows
     hold data.max_prompt_tokens + rollout.max_new_tokens, agents the model's context, and
     rollout.max_model_len when set."""
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.rollout.embedded.engine import engine_context_tokens, engine_options
 
     cfg = load_config("tiny_cpu", ["model.max_position_embeddings=4096", "data.max_prompt_tokens=40",

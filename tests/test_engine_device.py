@@ -3,7 +3,9 @@ engine on cuda:N). The rules are checked here on a CPU; the GPU runs are tools/g
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.rollout.device import parse_engine_device, resolve_engine_device
 
 

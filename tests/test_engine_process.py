@@ -116,7 +116,7 @@ def test_a_group_comes_back_whole_in_one_message_and_aborts_or_fails_cleanly(meg
 def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_world, tmp_path):
     """Killing the engine process mid-run ends the run with RolloutsStopped (no hang, no endless
     retries), and the ledger still accounts for every admitted prompt."""
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.scheduler.controller import RolloutsStopped
     from megatron_rl.trainer import Trainer
 

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -170,7 +170,7 @@ def test_kl_in_reward_charges_sequences_not_the_loss(megatron_world, tmp_path):
     and grows as it moves (the loss side is checked in the next test)."""
     import json
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.trainer import Trainer
 
     cfg = load_config("tiny_cpu", [

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from megatron_rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_rl.config.validate import ConfigError, validate
+from megatron_rl.checks import validate
+from megatron_rl.config import ConfigError
 from megatron_rl.learner.learner import Learner, forward_logits
 from megatron_rl.models.hf_names import hf_to_megatron
 from megatron_rl.models.lora import adapters_disabled, is_adapter_name

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
-from megatron_rl.config.validate import validate
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
+from megatron_rl.checks import validate
 from megatron_rl.data.build import build_prompts
 from megatron_rl.data.datasets import DatasetError, JsonlPrompts, gsm8k_final_answer
 from megatron_rl.data.tokenizer import char_tokenizer, train_bpe

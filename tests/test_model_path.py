@@ -6,7 +6,9 @@ import torch
 
 from hf_helpers import hf_logits, save_random_hf_model
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 
 transformers = pytest.importorskip("transformers")
 TOKENS = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(5))

@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.config.recipes import RECIPE_PATH_ENV, RECIPES_DIR
 
 SMALL = ["trainer.progress=false", "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1"]

@@ -14,7 +14,8 @@ import torch
 from megatron_rl.algorithms.advantages import ADVANTAGE_ESTIMATORS, sample_advantages
 from megatron_rl.algorithms.policy_loss import (POLICY_LOSSES, cispo_loss, decoupled_ppo_loss, gspo_loss,
                                               ppo_clip_loss)
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+from megatron_rl.config import ConfigError
 from megatron_rl.config.schema import AlgoConfig
 from megatron_rl.registry import Registry, UnknownName
 from megatron_rl.rewards import REWARDS, RewardRunner, digit_match, gsm8k_exact

@@ -117,7 +117,7 @@ def test_gsm8k_reads_a_raw_reference_answer():
 
 
 def test_nan_rewards_are_errors_and_the_weights_stay_finite(tmp_path):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.trainer import Trainer
 
     REWARDS.add("sometimes_nan", sometimes_nan)
@@ -247,8 +247,8 @@ def test_a_huge_reward_skips_the_steps_it_would_poison_and_stops_with_the_weight
     overflow float32 and the loss is NaN. Each such optimizer step is skipped (counted, one
     warning naming the cause), learner.max_skipped_steps in a row stop the run with one line, the
     weights stay finite and no checkpoint is written with non-finite weights."""
-    from megatron_rl.config import load_config
-    from megatron_rl.config.validate import validate
+    from megatron_rl.checks import load_config
+    from megatron_rl.checks import validate
     from megatron_rl.trainer import Trainer, TrainingStopped
 
     cfg = load_config("tiny_cpu", ["trainer.total_steps=6", f"trainer.run_dir={tmp_path}", "algo.name=dr_grpo",

@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
-from megatron_rl.config.validate import validate
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
+from megatron_rl.checks import validate
 from megatron_rl.plugins import PluginError
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.rewards.user import load_user_reward

@@ -10,7 +10,8 @@ import torch
 from megatron_rl.algorithms.policy_loss import cispo_loss, ppo_clip_loss
 from megatron_rl.algorithms.rollout_correction import Correction, rollout_correction
 from megatron_rl.config.schema import RootConfig
-from megatron_rl.config.validate import ConfigError, validate
+from megatron_rl.checks import validate
+from megatron_rl.config import ConfigError
 from megatron_rl.types import Trajectory
 
 from batches import advantaged

@@ -10,7 +10,7 @@ ETA = 2
 
 
 def test_staleness_bound_audited_from_the_run_directory(tmp_path):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.trainer import Trainer
 
     steps = 4

@@ -10,7 +10,9 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.types import Trajectory
 
 from batches import advantaged

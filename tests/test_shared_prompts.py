@@ -107,8 +107,8 @@ def test_shared_prompts_train_exactly_as_separate_rows(megatron_world, budget):
 
 
 def test_share_prompts_refuses_what_it_cannot_lay_out(megatron_world, monkeypatch):
-    from megatron_rl.config import load_config
-    from megatron_rl.config.validate import ConfigError
+    from megatron_rl.checks import load_config
+    from megatron_rl.config import ConfigError
 
     with pytest.raises(ConfigError, match=r"learner.share_prompts=true is not supported with learner.pp > 1"):
         load_config("tiny_cpu", ["learner.share_prompts=true", "learner.pp=2"])

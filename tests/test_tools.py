@@ -29,7 +29,7 @@ def test_plot_metrics_draws_a_real_run_into_the_file_named(tmp_path, monkeypatch
     (a torn last line) draws too."""
     from PIL import Image
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.trainer import Trainer
 
     sys.path.insert(0, str(TOOLS))
@@ -130,7 +130,7 @@ def test_learner_gpu_bench_flop_formula_by_hand():
     sys.path.insert(0, str(TOOLS / "bench"))
     from learner_gpu import matmul_params, step_flops
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     m = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"]).model
     per_layer = 1536 * (1536 + 2 * 128 * 2) + 1536 * 1536 + 3 * 1536 * 8960
@@ -146,7 +146,7 @@ def test_engine_gpu_bench_roofline_by_hand():
     sys.path.insert(0, str(TOOLS / "bench"))
     from engine_gpu import roofline_seconds
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     m = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"]).model
     layers, weights = 1_543_569_408 - 151936 * 1536, 1_543_569_408
@@ -168,7 +168,7 @@ def test_learner_gpu_bench_active_flops_for_the_moe_recipe():
     from learner_gpu import step_flops
     from model_size import active_matmul_params, matmul_params
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     m = load_config("gsm8k_qwen3_moe_gpu", ["trainer.progress=false"]).model
     attention, router, expert, head = 2048 * (4096 + 2 * 512) + 4096 * 2048, 2048 * 128, 3 * 2048 * 768, 151936 * 2048
@@ -245,7 +245,7 @@ def test_engine_gpu_bench_moe_decode_bound_by_hand():
     sys.path.insert(0, str(TOOLS / "bench"))
     from engine_gpu import moe_decode_bound
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     m = load_config("gsm8k_qwen3_moe_gpu", ["trainer.progress=false", "model.num_layers=48"]).model
     bound = moe_decode_bound(m, 151936, 256, 512, 256)

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
 from megatron_rl.telemetry.trackers import STATE_FILE, TRACKERS, flatten, tracker_problem
 
 sys.path.insert(0, str(Path(__file__).parent))

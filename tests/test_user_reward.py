@@ -7,8 +7,10 @@ import re
 
 import pytest
 
-from megatron_rl.config import ConfigError, load_config
-from megatron_rl.config.validate import validate
+from megatron_rl.checks import load_config
+
+from megatron_rl.config import ConfigError
+from megatron_rl.checks import validate
 from megatron_rl.plugins import PluginError
 from megatron_rl.rewards import RewardRunner
 from megatron_rl.rewards.code import code_tests, extract_program, judge, parse_cases

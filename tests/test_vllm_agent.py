@@ -19,7 +19,7 @@ from agent_helpers import agent_overrides, check_token_for_token, recording_trai
 
 
 def test_calculator_agent_trains_against_vllm_token_for_token(megatron_world, tmp_path):
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     write_tokenizer(tmp_path / "tokenizer")
     trainer, trained = recording_trainer(load_config("tiny_cpu_vllm", agent_overrides(tmp_path / "tokenizer",

@@ -296,7 +296,7 @@ def test_tiny_recipe_trains_with_the_vllm_engine(tmp_path):
 def test_run_stops_with_one_clear_error_when_the_vllm_engine_dies(megatron_world, tmp_path):
     """Killing vLLM's engine core mid-run: requests in flight fail, their prompts go back to the
     queue, and the run ends with RolloutsStopped naming the dead engine (no hang, no retries)."""
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.scheduler.controller import RolloutsStopped
     from megatron_rl.trainer import Trainer
 

@@ -109,7 +109,7 @@ def run_demo(argv: Sequence[str]) -> Dict:
 
 def _eval_at_end(recipe: str, overrides: List[str]) -> List[str]:
     """``trainer.eval_interval`` at the run's total steps, so that its last step is scored."""
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
 
     return [f"trainer.eval_interval={load_config(recipe, overrides).trainer.total_steps}"]
 

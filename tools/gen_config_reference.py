@@ -5,7 +5,7 @@
 
 Each field's description is the comment block directly above it in schema.py (the convention for
 every field); its type and default come from the dataclasses, its allowed values from
-``megatron_rl.config.validate.ALLOWED`` (registries included, so a registered component shows up).
+``megatron_rl.checks.ALLOWED`` (registries included, so a registered component shows up).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def collect_fields() -> Tuple[List[Tuple[str, str, List[Field]]], List[str]]:
     """Sections (group, class docstring, fields) and the keys that have no description."""
     sys.path.insert(0, str(ROOT))
     from megatron_rl.config import schema
-    from megatron_rl.config.validate import ALLOWED, NOT_YET, allowed
+    from megatron_rl.checks import ALLOWED, NOT_YET, allowed
 
     classes, docs, groups = parse_schema(SCHEMA.read_text())
     root = schema.RootConfig()

@@ -32,6 +32,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from ..errors import ConfigError
+
 # |log ratio| bound before exponentiation: exp(20) ~ 5e8.
 _LOG_RATIO_BOUND = 20.0
 
@@ -121,3 +123,19 @@ def rollout_correction(proximal_logprobs: torch.Tensor, behaviour_logprobs: torc
     stats["is_weight_sum"] = (weight * keep).sum()
     stats["kept_tokens"] = keep.sum()
     return weight, keep, stats
+
+
+def check_correction(cfg) -> None:
+    """Rollout-correction values (correction.*) that cannot work together."""
+    c = cfg.correction
+    if c.is_level != "none" and cfg.algo.policy_loss == "decoupled":
+        raise ConfigError(f"correction.is_level={c.is_level} weights tokens by π_prox/π_behav, which "
+                          "algo.policy_loss=decoupled already does (algo.behav_imp_weight_cap): use it with "
+                          "algo.policy_loss=ppo|gspo|cispo, or correction.is_level=none")
+    if c.is_level != "none" and not c.is_cap > 0:
+        raise ConfigError(f"correction.is_cap={c.is_cap} must be > 0 (e.g. 2)")
+    if c.reject != "none":
+        low = c.reject_low if c.reject_low is not None else (1.0 / c.reject_high if c.reject_high > 0 else 0.0)
+        if not (c.reject_high > 0 and 0 <= low < c.reject_high):
+            raise ConfigError(f"correction.reject_low={c.reject_low} and correction.reject_high={c.reject_high} "
+                              "must make a band 0 <= low < high (e.g. reject_low=0.5 reject_high=2)")

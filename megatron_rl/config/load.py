@@ -10,11 +10,10 @@ from typing import Any, Dict, List, Sequence
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from ..errors import nearest, one_line
+from ..errors import ConfigError, nearest, one_line
 from .paths import resolve_paths
 from .recipes import hydra_search_path, recipe_location, recipe_name
 from .schema import RootConfig
-from .validate import ConfigError, validate
 
 SCHEMA_NAME = "megatron_rl_schema"
 
@@ -116,8 +115,9 @@ def _home_expanded(overrides: Sequence[str]) -> List[str]:
     return out
 
 
-def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence[str] = ()) -> RootConfig:
-    """Merge a composed config onto the schema (type-checked) and validate its values."""
+def to_dataclass(cfg: DictConfig, overrides: Sequence[str] = ()) -> RootConfig:
+    """Merge a composed config onto the schema (type-checked), relative paths made absolute. Its
+    values are not checked yet: ``megatron_rl.checks.load_config`` resolves and checks them."""
     try:
         merged = OmegaConf.merge(OmegaConf.structured(RootConfig), cfg)
         obj = OmegaConf.to_object(merged)
@@ -128,21 +128,7 @@ def to_dataclass(cfg: DictConfig, distributed: bool = False, overrides: Sequence
         text = next((o for o in overrides if o.lstrip("+~").partition("=")[0] == str(err.full_key)), "")
         raise _type_error(str(err.full_key), err.value, f"command line: {text}" if text else "the recipe") from None
     assert isinstance(obj, RootConfig)
-    obj = resolve_paths(obj)  # before model.path's config.json is read, so that its error names the folder
-    from ..models.pretrained import resolve_model_config
-
-    try:  # model.path: the checkpoint's architecture replaces the recipe's model sizes
-        obj.model = resolve_model_config(obj.model)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    from ..data.build import choose_tokenizer
-    from ..errors import UserError
-
-    try:  # data.tokenizer=auto becomes the checkpoint's (model) or the dataset's own: config.yaml says which
-        obj.data.tokenizer = choose_tokenizer(obj)
-    except UserError as err:
-        raise ConfigError(str(err)) from None
-    return validate(obj, distributed=distributed)
+    return resolve_paths(obj)
 
 
 def _type_error(key: str, value: Any, where: str) -> ConfigError:
@@ -153,10 +139,11 @@ def _type_error(key: str, value: Any, where: str) -> ConfigError:
                        f"e.g. {key}={_default(key)}")
 
 
-def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
+def compose_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = ()) -> RootConfig:
     """Compose the recipe ``recipe`` names (a name in the recipe folders, or a ``.yaml`` file: see
     config/recipes.py) with command-line style overrides, as the CLI does. Relative paths in it
-    come out absolute, from the working directory (config/paths.py)."""
+    come out absolute, from the working directory (config/paths.py). Typed, not yet resolved or
+    checked: ``megatron_rl.checks.load_config`` is what callers use."""
     from hydra import compose
     from hydra.errors import HydraException, MissingConfigException
 
@@ -176,7 +163,7 @@ def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distrib
             if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.full_key:
                 raise unknown_key(str(cause.full_key), "command line") from None
             raise ConfigError(one_line(err)) from None
-    loaded = to_dataclass(cfg, distributed=distributed, overrides=overrides)
+    loaded = to_dataclass(cfg, overrides=overrides)
     # Names the default run directory and the trackers' run, for every caller (the CLI did it alone).
     loaded.trainer.recipe = recipe_name(recipe, loaded.trainer.recipe)
     return loaded

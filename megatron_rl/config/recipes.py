@@ -12,8 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, List, Sequence, Tuple
 
-from ..errors import nearest
-from .validate import ConfigError
+from ..errors import ConfigError, nearest
 
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 # Folders of one's own recipes, searched before recipes/ (separated like PATH: ':' on Linux).

@@ -23,6 +23,7 @@ from typing import Iterator, List, Tuple
 from .datasets import Prompt
 from .files import DatasetError
 from .tokenizer import Tokenizer
+from ..errors import ConfigError
 
 OPERATORS = "+-*"
 # Every character a prompt or a worked solution holds (the char tokenizer's alphabet).
@@ -114,3 +115,22 @@ class ArithmeticTask:
         while True:
             yield self.prompt(self.expression(), f"arithmetic-{self.split}-{n}")
             n += 1
+
+
+def check_arithmetic(data_cfg) -> None:
+    """data.arithmetic_* make expressions, and the longest of them fits data.max_prompt_tokens."""
+    d = data_cfg
+    if not 1 <= d.arithmetic_min_ops <= d.arithmetic_max_ops:
+        raise ConfigError(f"data.arithmetic_min_ops={d.arithmetic_min_ops} and data.arithmetic_max_ops="
+                          f"{d.arithmetic_max_ops} must satisfy 1 <= min <= max (e.g. 1 and 2)")
+    if d.arithmetic_max_operand < 1:
+        raise ConfigError(f"data.arithmetic_max_operand={d.arithmetic_max_operand} must be >= 1 (e.g. 9)")
+    ops = d.arithmetic_operators
+    if not ops or set(ops) - set("+-*") or len(set(ops)) != len(ops):
+        raise ConfigError(f"data.arithmetic_operators={ops!r} must be some of +, - and * once each (e.g. '+-*')")
+    # <bos>, every number at its widest, the operators and '='.
+    longest = 1 + (d.arithmetic_max_ops + 1) * len(str(d.arithmetic_max_operand)) + d.arithmetic_max_ops + 1
+    if longest > d.max_prompt_tokens:
+        raise ConfigError(f"data.name=arithmetic's longest prompt is {longest} tokens, more than data.max_prompt_tokens="
+                          f"{d.max_prompt_tokens}: raise data.max_prompt_tokens to {longest} or lower "
+                          "data.arithmetic_max_ops")

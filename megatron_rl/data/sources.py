@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from .files import DatasetError
+from ..errors import ConfigError, UserError
 
 # Keys a data.sources entry may set besides path and weight (the data.* key of the same name
 # is the default).
@@ -66,3 +67,20 @@ def source_specs(data_cfg: Any) -> List[SourceSpec]:
     stems = [Path(s.path.rstrip("/")).stem for s in specs]
     return [SourceSpec(**{**s.__dict__, "uid_prefix": stem if stems.count(stem) == 1 else f"{stem}{i}"})
             for i, (s, stem) in enumerate(zip(specs, stems))]
+
+
+def check_sources(data_cfg: Any) -> None:
+    """data.path / data.sources fit data.name; each source entry is {path, weight, ...}."""
+    d = data_cfg
+    if d.name not in FILE_DATASETS:
+        if d.path or d.sources:
+            raise ConfigError(f"data.{'path' if d.path else 'sources'} is set, but data.name={d.name} generates its "
+                              "prompts; set data.name=file to train on that dataset")
+        return
+    if not d.path and not d.sources:
+        raise ConfigError(f"data.path is required for data.name={d.name}; e.g. data.path=/data/gsm8k/train.jsonl "
+                          "(or data.sources=[{path: a.parquet, weight: 0.7}, {path: b.jsonl, weight: 0.3}])")
+    try:
+        source_specs(d)
+    except UserError as err:
+        raise ConfigError(str(err)) from None

@@ -41,7 +41,8 @@ def _parse(args: List[str]):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from ..config import ConfigError, load_config
+    from ..checks import load_config
+    from ..errors import ConfigError
     from ..config.load import recipe_name
     from ..errors import USAGE_EXIT, UserError, report
     from ..stop import record_exit

@@ -20,13 +20,13 @@ from ..algorithms import kl_penalty
 from ..algorithms.policy_loss import POLICY_LOSSES, aggregate_loss
 from ..algorithms.rollout_correction import Correction, rollout_correction
 from ..config.schema import RootConfig
-from ..config.validate import ConfigError, routing_replay_on
+from ..errors import ConfigError
 from ..models.gpt import build_gpt_model, model_device
 from ..models.grouped_moe import stack_expert_parameters
 from ..models.hf_names import megatron_to_hf
 from ..models.lora import adapters_disabled, add_lora, dropout_disabled, export_state
 from ..models.pretrained import load_pretrained
-from ..models.routing import RoutingReplay, foreign_moe_layers
+from ..models.routing import RoutingReplay, foreign_moe_layers, routing_replay_on
 from ..models.shared_prefix import rotary_at
 from ..types import Trajectory
 from .batch import MicroBatch

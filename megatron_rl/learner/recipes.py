@@ -16,6 +16,8 @@ compute them again).
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -27,6 +29,8 @@ from ..registry import Registry
 from ..algorithms.gae import gae_advantages, masked_whiten
 from .teachers import teacher_logprobs
 from .train_batch import TrainBatch, padded
+from ..algorithms.rollout_correction import Correction
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from .worker import LearnerWorker
@@ -189,3 +193,55 @@ def gae_advantages_and_returns(batch: TrainBatch, gamma: float, lam: float, whit
         advantages = masked_whiten(advantages, padded(batch, [t.loss_mask for t in batch]))
     return ([advantages[i, :n].tolist() for i, n in enumerate(lengths)],
             [returns[i, :n].tolist() for i, n in enumerate(lengths)])
+
+
+def check_group_size(cfg) -> None:
+    """algo.group_size (and correction.*) against what the learner recipe samples."""
+    recipe = recipe_for(cfg.algo.name)
+    if recipe.samples_from_data:
+        if cfg.algo.group_size != 1:
+            raise ConfigError(f"algo.name={cfg.algo.name} trains on each row's own response once: set "
+                              f"algo.group_size=1 (it is {cfg.algo.group_size})")
+        if Correction(**dataclasses.asdict(cfg.correction)).active:
+            raise ConfigError(f"correction.* weighs sampled tokens by the engine's logprobs, and algo.name="
+                              f"{cfg.algo.name} samples nothing: leave the correction keys at their defaults")
+    elif recipe.group_relative and cfg.algo.group_size < 2:
+        raise ConfigError(
+            f"algo.group_size={cfg.algo.group_size} must be >= 2: group-relative advantages "
+            "need at least two samples per prompt"
+        )
+
+
+def check_teacher(cfg) -> None:
+    """A teacher (teacher.path) or named teachers routed by a row field (teacher.paths,
+    teacher.field, teacher.default) exactly when the learner recipe distils."""
+    t = cfg.teacher
+    wants = recipe_for(cfg.algo.name).teacher
+    if wants and not (t.path or t.paths):
+        raise ConfigError(f"algo.name={cfg.algo.name} distils from a teacher: set teacher.path=<a Hugging Face or "
+                          "Megatron checkpoint with the student's tokenizer>, or teacher.paths and teacher.field "
+                          "for one teacher per kind of row")
+    if not wants:
+        for key in ("path", "paths", "field", "default"):
+            if getattr(t, key):
+                raise ConfigError(f"teacher.{key}={getattr(t, key)!r} is only read by on-policy distillation: set "
+                                  f"algo.name=opd, or drop teacher.{key}")
+        return
+    if t.path and t.paths:
+        raise ConfigError("teacher.path and teacher.paths are both set: give one teacher as teacher.path, or every "
+                          "teacher (the default one too) in teacher.paths with teacher.default naming it")
+    if t.paths and not t.field:
+        raise ConfigError(f"teacher.paths names {len(t.paths)} teachers but not which row gets which: set "
+                          "teacher.field to the dataset row field holding a teacher's name (e.g. data_source)")
+    if (t.field or t.default) and not t.paths:
+        key = "field" if t.field else "default"
+        raise ConfigError(f"teacher.{key} chooses among named teachers: set teacher.paths={{name: checkpoint, ...}}, "
+                          f"or drop teacher.{key} for the one teacher of teacher.path")
+    if t.default is not None and t.default not in t.paths:
+        raise ConfigError(f"teacher.default={t.default!r} is not a teacher of teacher.paths (names: "
+                          f"{', '.join(sorted(t.paths))})")
+    checkpoints = {f"teacher.paths.{name}": path for name, path in t.paths.items()} if t.paths else \
+        {"teacher.path": t.path}
+    for key, path in checkpoints.items():
+        if not path or not Path(path).is_dir():
+            raise ConfigError(f"{key}={path!r} is not a directory (a Hugging Face or Megatron checkpoint)")

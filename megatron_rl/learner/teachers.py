@@ -37,7 +37,7 @@ def build_teacher(cfg: RootConfig, vocab_size: int, path: str, key: str = "teach
     """The frozen teacher at ``path`` (the config key ``key`` gave it) with the learner's parallel
     layout and dtype; its vocabulary must be the student's (ConfigError otherwise)."""
     from ..config.schema import ModelConfig
-    from ..config.validate import ConfigError
+    from ..errors import ConfigError
     from ..models.convert import pretrained_model_config
     from ..models.gpt import build_gpt_model
     from ..models.grouped_moe import stack_expert_parameters

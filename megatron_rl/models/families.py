@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from ..errors import ConfigError
+
 
 @dataclass(frozen=True)
 class Family:
@@ -58,3 +60,17 @@ def family_for_architecture(architecture: str) -> Family:
             return family
     known = ", ".join(f.architecture for f in FAMILIES.values())
     raise ValueError(f"unsupported architecture {architecture!r}; supported: {known}")
+
+
+def check_family(model_cfg) -> None:
+    """model.family against the expert and attention keys it needs (ConfigError naming the fix)."""
+    m = model_cfg
+    family = get_family(m.family)
+    if family.moe_naming and not m.num_experts:
+        raise ConfigError(f"model.family={m.family} is a mixture of experts: set model.num_experts (e.g. 8)")
+    if m.num_experts and not family.moe_naming:
+        raise ConfigError(f"model.num_experts={m.num_experts} needs an MoE family (mixtral, qwen2_moe, qwen3_moe, "
+                          f"deepseek_v3): model.family={m.family} has no Hugging Face layout for experts")
+    if family.mla and m.kv_lora_rank is None:
+        raise ConfigError("model.family=deepseek_v3 uses multi-head latent attention: set model.kv_lora_rank "
+                          "(and q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim), or use model.path")

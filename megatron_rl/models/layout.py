@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import List, Optional
 
+from ..errors import ConfigError
+
 
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -38,3 +40,12 @@ def layout_problems(model, tp: int = 1, pp: int = 1, ep: int = 1, prefix: str = 
             problems.append(f"{prefix}ep={ep} must divide model.num_experts={model.num_experts}: "
                             f"use {prefix}ep in {_divisors(model.num_experts)}")
     return problems
+
+
+def check_layouts(cfg) -> None:
+    """The learner's and the engines' parallel layouts fit the model's shape (the torchrun world
+    split, whose placement planner places them)."""
+    lc, m = cfg.learner, cfg.model
+    problems = layout_problems(m, lc.tp, lc.pp, lc.ep) + layout_problems(m, cfg.rollout.tp, prefix="rollout.")
+    if problems:
+        raise ConfigError(problems[0])

@@ -34,6 +34,8 @@ from typing import Dict, Iterator, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
 
@@ -277,3 +279,27 @@ def dropout_disabled(model: torch.nn.Module):
 def trainable_parameters(model: torch.nn.Module) -> int:
     """How many numbers the optimizer trains on this rank."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def check_lora(cfg) -> None:
+    """LoRA's keys (lora.*), and the models it cannot adapt yet."""
+    lo, m = cfg.lora, cfg.model
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank={lo.rank} must be >= 0 (0 trains every weight; e.g. 8 or 16 for LoRA)")
+    if not lo.rank:
+        return
+    if not lo.alpha > 0:
+        raise ConfigError(f"lora.alpha={lo.alpha} must be > 0 (the update is scaled by alpha / rank; e.g. 32)")
+    if not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"lora.dropout={lo.dropout} must be in [0, 1)")
+    unknown = [t for t in lo.targets if t not in LORA_TARGETS]
+    if unknown or not lo.targets or len(set(lo.targets)) != len(lo.targets):
+        raise ConfigError(f"lora.targets={list(lo.targets)} must list distinct projections of "
+                          f"{', '.join(LORA_TARGETS)} (at least one)")
+    mlp = [t for t in lo.targets if t in ("linear_fc1", "linear_fc2")]
+    if m.num_experts and mlp:
+        raise ConfigError(f"lora.targets has {', '.join(mlp)}, but model.num_experts={m.num_experts}: LoRA on routed "
+                          "experts is not built; adapt attention only (lora.targets=[linear_qkv,linear_proj])")
+    if m.kv_lora_rank is not None and "linear_qkv" in lo.targets:
+        raise ConfigError("lora.targets has linear_qkv, but multi-head latent attention (model.kv_lora_rank) has "
+                          "no fused QKV projection; drop it from lora.targets")

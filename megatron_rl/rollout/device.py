@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from ..errors import ConfigError
+
 AUTO = "auto"
 _CUDA = re.compile(r"^cuda:(\d+)$")
 
@@ -43,3 +45,21 @@ def resolve_engine_device(spec: str, gpu_count: int) -> Optional[int]:
         raise ValueError(f"rollout.device={spec}: this machine has {gpu_count} GPU(s), cuda:0 to "
                          f"cuda:{gpu_count - 1}; pick one of them or rollout.device=auto")
     return index
+
+
+def check_engine_device(rollout_cfg, distributed: bool) -> None:
+    """rollout.device: its syntax and the settings it needs. Whether the GPU exists is checked
+    where the engine starts (a config may be written on a machine without GPUs)."""
+    r = rollout_cfg
+    try:
+        index = parse_engine_device(r.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if index is None:
+        return
+    if distributed:
+        raise ConfigError(f"rollout.device={r.device} is for the single-process trainer; the torchrun launcher "
+                          "places engines by rank (rollout.placement), so leave rollout.device=auto")
+    if r.engine != "embedded" or not r.separate_process:
+        raise ConfigError(f"rollout.device={r.device} places the embedded engine's own process: it needs "
+                          "rollout.engine=embedded and rollout.separate_process=true")

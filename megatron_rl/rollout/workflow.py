@@ -8,6 +8,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Mapping, Optional, Sequence, Tuple
 
 from ..registry import Registry
+from ..errors import ConfigError
 from ..types import GenerationChunk, SamplingParams, Trajectory
 from .engine import whole_response
 from .routed_experts import over_positions
@@ -97,3 +98,17 @@ def _register_agents() -> None:
 
 
 _register_agents()
+
+
+def check_workflow(rollout_cfg) -> None:
+    """An agent workflow (a registered one or a user's import path) loads with rollout.agent_args;
+    other workflows take no agent_args."""
+    r = rollout_cfg
+    if is_agent(r.workflow):
+        try:
+            resolve_agent(r.workflow, r.agent_args)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    elif r.agent_args:
+        raise ConfigError(f"rollout.agent_args={dict(r.agent_args)} is for agents, but "
+                          f"rollout.workflow={r.workflow} is not one; drop agent_args or name an agent")

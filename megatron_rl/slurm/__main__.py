@@ -56,7 +56,7 @@ def _valid_time(text: str) -> bool:
 
 def parse(args: List[str]) -> JobSpec:
     """A JobSpec from the command line; raises ValueError naming a bad argument."""
-    from ..config import load_config
+    from ..checks import load_config
     from ..config.recipes import is_recipe_file, recipe_name
 
     recipe, overrides, job = "tiny_cpu", [], {}
@@ -139,7 +139,7 @@ def submit(spec: JobSpec, wait: bool = False) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..errors import report
 
     args = list(sys.argv[1:] if argv is None else argv)

@@ -18,7 +18,7 @@ from ..config.schema import RootConfig
 def make_run_dir(cfg: RootConfig) -> Path:
     """The run directory, created (or reused, to resume); raises ConfigError for one that cannot
     be written, or that holds a run which ``trainer.resume=false`` would overwrite."""
-    from ..config.validate import ConfigError
+    from ..errors import ConfigError
 
     run_dir = Path(cfg.trainer.run_dir) if cfg.trainer.run_dir else (
         Path("runs") / cfg.trainer.recipe / time.strftime("%Y%m%d-%H%M%S"))

@@ -430,7 +430,7 @@ def main() -> None:
 
     import transformers
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.learner.parallel import init_model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.embedded.engine import engine_options

@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel time by kind and the heaviest kernels")
     args, overrides = parser.parse_known_args()
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.learner.learner import Learner
     from megatron_rl.learner.parallel import init_model_parallel
 

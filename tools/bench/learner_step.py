@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternate the two ways this many times; medians")
     args, overrides = parser.parse_known_args()
 
-    from megatron_rl.config import load_config
+    from megatron_rl.checks import load_config
     from megatron_rl.learner import learner as learner_module
     from megatron_rl.learner.learner import Learner
     from megatron_rl.learner.parallel import init_model_parallel

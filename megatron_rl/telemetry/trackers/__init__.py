@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ...errors import UserError, nearest
+from ...errors import ConfigError, UserError, nearest
 
 # name -> (this package's module, the package it imports, how to install that package)
 TRACKERS: Dict[str, Tuple[str, str, str]] = {
@@ -121,3 +121,11 @@ def open_trackers(names: Sequence[str], run_dir: Path, project: str, run_name: O
             tracker.close(finished=False)
         raise
     return opened
+
+
+def check_trackers(names: Sequence[str]) -> None:
+    """trainer.loggers: a tracker that is unknown, or not installed, is an error before anything runs."""
+    for name in names:
+        problem = tracker_problem(name)
+        if problem:
+            raise ConfigError(problem)
