@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -32,8 +32,15 @@ from .train_batch import TrainBatch, padded
 from ..algorithms.rollout_correction import Correction
 from ..errors import ConfigError
 
-if TYPE_CHECKING:
-    from .worker import LearnerWorker
+
+class LearnerWorker(Protocol):
+    """What a recipe uses of the learner worker (learner/worker.py) that runs it: its config, its
+    policy learner and its critic (None without one). Spelled here so that recipes, which the
+    learner reads, do not import the worker that imports the learner."""
+
+    cfg: Any
+    learner: Any
+    critic: Optional[Any]
 
 Metrics = Dict[str, float]
 
