@@ -99,15 +99,21 @@ def _add_routed(main_grad: torch.Tensor, grad_w: torch.Tensor, routed: torch.Ten
 _ADD_ROUTED = CompiledOrEager(_add_routed, "expert weight-gradient accumulation")
 
 
+def _raw_weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(grad[rows of e].T @ x[rows of e] for every expert e, whether e got rows): an expert with
+    no rows may be left unwritten by the kernel, so its entry must be read as zero."""
+    # Groups along the shared (row) dimension.
+    grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    return grad_w, counts > 0
+
+
 def _grouped_weight_grad(grad: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
                          dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """grad_w[e] = grad[rows of e].T @ x[rows of e], zero for an expert with no rows, in
     ``dtype`` (the inputs' if None)."""
-    # Groups along the shared (row) dimension.
-    grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
-    # An expert with no rows gets a zero gradient (the kernel may leave it unwritten).
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    return _ZERO_UNROUTED(grad_w, counts > 0, dtype or grad_w.dtype)
+    grad_w, routed = _raw_weight_grad(grad, x, ends)
+    return _ZERO_UNROUTED(grad_w, routed, dtype or grad_w.dtype)
 
 
 class _GroupedLinearIntoMainGrad(torch.autograd.Function):
@@ -132,9 +138,7 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
         # one dtype (mixed, it adds tensor by tensor).
         main_grads = ctx.main_grads
         if len(main_grads) == 1 and main_grads[0].dim() == 3:  # one stacked parameter
-            grad_w = torch._grouped_mm(grad.t(), x, offs=ends)
-            counts = torch.diff(ends, prepend=ends.new_zeros(1))
-            _ADD_ROUTED(main_grads[0], grad_w, counts > 0)
+            _ADD_ROUTED(main_grads[0], *_raw_weight_grad(grad, x, ends))
         else:
             grad_w = _grouped_weight_grad(grad, x, ends, main_grads[0].dtype)
             torch._foreach_add_(main_grads, list(grad_w.unbind(0)))
@@ -291,8 +295,7 @@ class GroupedExperts(SequentialMLP):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """SequentialMLP's distributed-checkpoint layout for the stacked parameters: each weight
         under ``<prefix>experts.linear_fc{1,2}.weight`` as a [global experts, out, in] tensor
-        (fc1's gate and up halves as two pieces), so a checkpoint loads into either layout and at
-        another expert-parallel size."""
+        (fc1's gate and up halves as two pieces), so a checkpoint loads into either layout."""
         if not self.parameters_stacked:
             return super().sharded_state_dict(prefix, sharded_offsets, metadata)
         from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
