@@ -364,7 +364,7 @@ class Trainer:
         teachers = ([row_teacher(p.row, self.cfg.teacher, f"prompt {p.uid}") for p in prompts]
                     if self.cfg.teacher.paths else None)
         with self.timeline.span("train", step=step):
-            metrics.update(self.learners.call("train", groups, version, lr_at(self.cfg, step), teachers))
+            metrics.update(self.learners.train(groups, version, lr_at(self.cfg, step), teachers))
         self.log_samples(step, prompts, groups)  # with the advantages the learner assigned
         return metrics
 
@@ -374,7 +374,7 @@ class Trainer:
         flat = [t for grp in groups for t in grp]
         rewards = np.array([t.reward for t in runs(groups)])
         lengths = np.array([len(t.response_ids) for t in flat])
-        staleness = np.array([train_version - t.oldest_version for t in flat if t.versions])
+        staleness = np.array([train_version - t.oldest_version for t in flat if len(t.versions)])
         return {
             "reward/mean": float(rewards.mean()),
             "reward/std": float(rewards.std()),

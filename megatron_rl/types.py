@@ -1,9 +1,11 @@
-"""Plain data types shared by rollout, rewards, scheduler and learner (no framework imports)."""
+"""Plain data types shared by rollout, rewards, scheduler and learner (numpy, no framework imports)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Dict, List, Optional, Sequence
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -24,7 +26,9 @@ class SamplingParams:
 @dataclass
 class GenerationChunk:
     """Tokens produced since the previous chunk of one request, with their logprobs and the
-    policy version that produced each token. ``finish_reason`` is set on the last chunk only."""
+    policy version that produced each token. ``finish_reason`` is set on the last chunk only.
+    Streamed chunks hold lists; the whole responses of ``generate_n`` hold numpy arrays (int32
+    ids and versions, float32 logprobs unless that would round them), one buffer per field."""
 
     request_id: str
     token_ids: List[int]
@@ -35,6 +39,17 @@ class GenerationChunk:
     # the positions the engine computed since the previous chunk, a [positions, moe_layers, top_k]
     # uint8/int16 numpy array (255 / -1 where nothing was recorded); None when not recorded.
     routed_experts: Optional[Any] = None
+
+
+def token_list(values: Sequence[Any]) -> List[Any]:
+    """A token field as a Python list: engines behind a connection send a group's responses as
+    numpy arrays (one buffer per field, not an object per token; rollout/serve.py)."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
+
+
+def token_count(values: Sequence[Any]) -> int:
+    """The sum of a token field (e.g. the trained tokens of a loss mask), list or numpy array."""
+    return int(values.sum()) if hasattr(values, "sum") else int(sum(values))
 
 
 @dataclass
@@ -69,8 +84,9 @@ class Trajectory:
     routed_experts: Optional[Any] = None
 
     def __post_init__(self) -> None:
-        if not self.loss_mask:
-            self.loss_mask = [1] * len(self.response_ids)
+        if len(self.loss_mask) == 0:
+            ids = self.response_ids
+            self.loss_mask = [1] * len(ids) if isinstance(ids, list) else np.ones(len(ids), dtype=np.uint8)
         n = len(self.response_ids)
         if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
             raise ValueError(
@@ -92,4 +108,13 @@ class Trajectory:
 
     @property
     def oldest_version(self) -> int:
-        return min(self.versions) if self.versions else -1
+        if len(self.versions) == 0:
+            return -1
+        return int(self.versions.min()) if hasattr(self.versions, "min") else min(self.versions)
+
+    def listed(self) -> "Trajectory":
+        """This trajectory with Python lists as token fields (itself when they are already)."""
+        names = ("prompt_ids", "response_ids", "logprobs", "versions", "loss_mask")
+        if all(isinstance(getattr(self, name), list) for name in names):
+            return self
+        return replace(self, **{name: token_list(getattr(self, name)) for name in names})

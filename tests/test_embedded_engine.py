@@ -273,8 +273,8 @@ def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whol
     separate = asyncio.run(grouped(per_request=True))
     whole = asyncio.run(grouped(per_request=False))
     assert [r.request_id for r in whole] == ids
-    assert [r.token_ids for r in whole] == [r.token_ids for r in separate]
-    assert [r.logprobs for r in whole] == [r.logprobs for r in separate]
+    assert [r.token_ids.tolist() for r in whole] == [list(r.token_ids) for r in separate]
+    assert [r.logprobs.tolist() for r in whole] == [list(r.logprobs) for r in separate]
     assert [r.finish_reason for r in whole] == [r.finish_reason for r in separate]
     assert len({tuple(r.token_ids) for r in whole}) > 1  # sampled, not one answer copied
     assert all(len(r.token_ids) == len(r.logprobs) == len(r.versions) for r in whole)

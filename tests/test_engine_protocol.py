@@ -140,5 +140,5 @@ def test_routing_crosses_the_wire_and_whole_responses_join_it():
     streamed, grouped = asyncio.run(main())
     expected = np.concatenate(RoutesTwoChunks.ROUTING)
     for response in (streamed, *grouped):
-        assert response.token_ids == [1, 2, 3] and response.routed_experts.dtype == np.uint8
+        assert list(response.token_ids) == [1, 2, 3] and response.routed_experts.dtype == np.uint8
         np.testing.assert_array_equal(response.routed_experts, expected)

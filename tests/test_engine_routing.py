@@ -103,7 +103,7 @@ def test_recorded_routing_equals_a_plain_forward(megatron_world, monkeypatch, st
     state = engine.model.state_dict()
     for prompt, response in zip(prompts, responses):
         routing = response.routed_experts
-        ids = prompt + response.token_ids
+        ids = prompt + list(response.token_ids)  # a stream's list or a group's array
         assert routing.dtype == np.uint8 and routing.shape == (len(ids) - 1, 3, 2), (response.request_id, routing.shape)
         expected = _plain_routing(cfg, state, ids)[: len(ids) - 1]
         mismatched = np.argwhere((routing != expected).any(-1))

@@ -136,7 +136,9 @@ async def _single(engine: EmbeddedEngine, rid: str, prompt: List[int], params: S
 
 
 async def _group(engine: EmbeddedEngine, ids: List[str], prompt: List[int], params: SamplingParams) -> Result:
-    return {r.request_id: (r.token_ids, r.logprobs) for r in await engine.generate_n(ids, prompt, params)}
+    # A group's whole responses hold numpy arrays; a stream's chunks lists.
+    return {r.request_id: (r.token_ids.tolist(), r.logprobs.astype(float).tolist())
+            for r in await engine.generate_n(ids, prompt, params)}
 
 
 def _merge(parts) -> Result:

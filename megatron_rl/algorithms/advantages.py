@@ -123,17 +123,35 @@ def sample_advantages(groups: Sequence[Sequence["Trajectory"]], rewards: Sequenc
     run's trajectories share it and its length is their trained tokens together); each trajectory
     gets its sample's advantage times its ``advantage_scale``. PPO with a critic (gae) is per
     token and needs the critic's values: learner/critic.py computes those."""
+    flat = [t for grp in groups for t in grp]
+    index, at = [], 0
+    for grp in groups:
+        index.append(range(at, at + len(grp)))
+        at += len(grp)
+    out = row_advantages(index, [t.sample_index for t in flat], [sum(t.loss_mask) for t in flat],
+                         [t.advantage_scale for t in flat], [r for row in rewards for r in row], algo)
+    return [[out[i] for i in grp] for grp in index]
+
+
+def row_advantages(groups: Sequence[Sequence[int]], sample_index: Sequence[int], trained_tokens: Sequence[float],
+                   advantage_scale: Sequence[float], rewards: Sequence[float], algo: "AlgoConfig") -> List[float]:
+    """``sample_advantages`` from a few numbers per row (rows indexed 0..n-1; ``groups`` lists
+    each group's rows): what every learner rank knows of the rows it does not hold."""
     if algo.name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"algo.name={algo.name!r} is not a group estimator (those: {ADVANTAGE_ESTIMATORS.names()}); "
                          "its advantages come from a critic")
-    reward_of = {id(t): r for grp, row in zip(groups, rewards) for t, r in zip(grp, row)}
-    runs = [runs_of(grp) for grp in groups]
-    run_rewards = torch.tensor([[reward_of[id(run[0])] for run in grp] for grp in runs], dtype=torch.float64)
-    lengths = torch.tensor([[sum(sum(t.loss_mask) for t in run) for run in grp] for grp in runs], dtype=torch.float64)
+    runs = []  # per group, its samples' rows (an agent run's trajectories are one sample)
+    for grp in groups:
+        by_sample: Dict[int, List[int]] = {}
+        for i in grp:
+            by_sample.setdefault(sample_index[i], []).append(i)
+        runs.append(list(by_sample.values()))
+    run_rewards = torch.tensor([[rewards[run[0]] for run in grp] for grp in runs], dtype=torch.float64)
+    lengths = torch.tensor([[sum(trained_tokens[i] for i in run) for run in grp] for grp in runs], dtype=torch.float64)
     adv = compute_advantages(algo.name, run_rewards, lengths, algo.adv_eps, algo.normalize_adv_by_std)
-    out = {}
+    out = [0.0] * len(sample_index)
     for grp, row in zip(runs, adv.tolist()):
         for run, value in zip(grp, row):
-            for traj in run:
-                out[id(traj)] = value * traj.advantage_scale
-    return [[out[id(t)] for t in grp] for grp in groups]
+            for i in run:
+                out[i] = value * advantage_scale[i]
+    return out

@@ -19,6 +19,7 @@ from typing import Any, Iterable, List, Optional, Sequence
 from tokenizers import Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
 
 from .chat_template import ChatTemplate
+from ..types import token_list
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 SPECIALS = [PAD, BOS, EOS]
@@ -82,7 +83,8 @@ class Tokenizer:
         (Megatron pads the vocabulary) become U+FFFD, so a policy cannot earn reward by padding
         its answer with tokens that decode to nothing.
         """
-        ids = list(ids[:-1] if ids and ids[-1] in self.stop_ids else ids)
+        ids = token_list(ids)
+        ids = ids[:-1] if ids and ids[-1] in self.stop_ids else ids
         pieces, run = [], []
         for i in ids:
             if i < self.vocab_size:

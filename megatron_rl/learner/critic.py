@@ -21,6 +21,7 @@ from ..models.gpt import model_device
 from ..models.value_model import build_value_model
 from ..types import Trajectory
 from .batch import MicroBatch
+from .data_parallel import sum_over_replicas
 from .train_batch import TrainBatch, padded
 from .learner import forward_micro_batch
 from .parallel import init_model_parallel
@@ -74,10 +75,8 @@ class Critic:
             "critic/value_loss": totals["value_loss_sum"] / tokens,
             "critic/value_clip_fraction": totals["value_clipped_tokens"] / tokens,
             "critic/value_mse": totals["value_error_sq_sum"] / tokens,
-            "critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
-            "critic/returns_mean": float((returns * mask).sum() / mask.sum().clamp(min=1)),
             # Of the critic before this update, on this batch: how much of the returns' variance it explains.
-            "critic/explained_variance": explained_variance(values, returns, mask),
+            **value_statistics(values, returns, mask, whole=not batch.local or batch.index.whole),
             "critic/grad_norm": finite_mean(grad_norms),
             "critic/skipped_steps": skipped,
             "critic/skipped_in_a_row": float(self.skipped_in_a_row),
@@ -102,3 +101,22 @@ class Critic:
         tokens = mb.loss_mask.sum()
         stats.update(value_loss_sum=loss.sum().detach(), tokens=tokens)
         return loss.sum(), tokens.round().to(torch.int), stats
+
+
+def value_statistics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, whole: bool) -> Dict[str, float]:
+    """Mean value and return over the trained tokens and the critic's explained variance, over
+    the step's batch: this rank's rows (``whole``), or every replica's share from their sums."""
+    if whole:
+        return {"critic/values_mean": float((values * mask).sum() / mask.sum().clamp(min=1)),
+                "critic/returns_mean": float((returns * mask).sum() / mask.sum().clamp(min=1)),
+                "critic/explained_variance": explained_variance(values, returns, mask)}
+    mask = mask.to(returns.dtype)
+    error = (returns - values) * mask
+    s = sum_over_replicas({"n": float(mask.sum()), "v": float((values * mask).sum()),
+                           "r": float((returns * mask).sum()), "rr": float((returns * returns * mask).sum()),
+                           "e": float(error.sum()), "ee": float((error * error).sum())})
+    n = max(s["n"], 1.0)
+    var_r = s["rr"] / n - (s["r"] / n) ** 2
+    var_e = s["ee"] / n - (s["e"] / n) ** 2
+    return {"critic/values_mean": s["v"] / n, "critic/returns_mean": s["r"] / n,
+            "critic/explained_variance": float(1.0 - var_e / var_r) if s["n"] >= 2 and var_r > 0 else 0.0}

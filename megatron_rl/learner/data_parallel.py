@@ -1,7 +1,8 @@
 """How one batch is shared out over the learner's parallel ranks, and how results come back.
 
-Every learner rank is handed the whole batch. Data-parallel replicas each take a contiguous
-slice (all TP/PP ranks of one replica take the same slice); within a replica only the last
+A rank holds either the whole batch (then each data-parallel replica takes a contiguous slice,
+all TP/PP ranks of one replica the same) or its replica's share only (``local``: the driver sent
+it those rows, learner/shares.py, and nothing is sliced or gathered). Within a replica only the last
 pipeline stage sees logits, so per-token results and loss statistics are broadcast from it to
 the other stages, then gathered (logprobs) or summed (token sums) over the replicas. The loss
 itself needs no help: it is a token sum and Megatron divides the all-reduced gradients by the
@@ -36,8 +37,22 @@ def dp_bounds(n: int, dp: int, rank: int) -> Tuple[int, int]:
     return start, start + base + (1 if rank < extra else 0)
 
 
+class LocalRows(list):
+    """Rows that are this replica's share already (a pass over them is not split or gathered)."""
+
+    local = True
+
+
+def is_local(items: Sequence) -> bool:
+    """Whether ``items`` is this replica's share (LocalRows, or a TrainBatch of a share)."""
+    return bool(getattr(items, "local", False))
+
+
 def local_share(items: Sequence[T]) -> Sequence[T]:
-    """This data-parallel replica's slice of the batch (a TrainBatch slices into one)."""
+    """This data-parallel replica's slice of the batch (a TrainBatch slices into one); a share
+    already is its own slice."""
+    if is_local(items):
+        return items
     dp, rank = dp_size_rank()
     if len(items) < dp:
         # Every replica must run the step's collectives (gradient all-reduce, optimizer).
@@ -66,6 +81,21 @@ def gather_shares(local: List[T]) -> List[T]:
     parts: List[List[T]] = [None] * ps.get_data_parallel_world_size()  # type: ignore[list-item]
     dist.all_gather_object(parts, local, group=ps.get_data_parallel_group())
     return [x for part in parts for x in part]
+
+
+def gather_rows(rows: Sequence[int], values: Sequence[T], n: int) -> List[T]:
+    """All ``n`` rows' values, on every rank, from each replica's ``values`` of its global
+    ``rows`` (one small object per row crosses the data-parallel group)."""
+    ps = _ps()
+    out: List = [None] * n
+    parts = [(list(rows), list(values))]
+    if ps.get_data_parallel_world_size() > 1:
+        parts = [None] * ps.get_data_parallel_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(parts, (list(rows), list(values)), group=ps.get_data_parallel_group())
+    for part_rows, part_values in parts:
+        for i, value in zip(part_rows, part_values):
+            out[i] = value
+    return out
 
 
 def sum_over_replicas(stats: Dict[str, float]) -> Dict[str, float]:

@@ -15,7 +15,8 @@ from ..config.schema import LearnerConfig
 from ..types import Trajectory
 from .batch import (MICRO_BATCH_OVERHEAD_TOKENS, MicroBatch, build_micro_batches, build_shared_micro_batches,
                     response_values)
-from .data_parallel import from_last_stage, gather_shares, local_share, sum_over_replicas, uniform_micro_batches
+from .data_parallel import (from_last_stage, gather_shares, is_local, local_share, sum_over_replicas,
+                            uniform_micro_batches)
 
 logger = logging.getLogger(__name__)
 
@@ -224,13 +225,16 @@ def local_micro_batches(trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: 
 def per_token_outputs(model: torch.nn.Module, trajs: Sequence[Trajectory], lc: LearnerConfig, pad_id: int,
                       step_fn: StepFn) -> List[List[float]]:
     """A forward-only pass over the whole batch, split over the data-parallel replicas: per
-    response token, what ``step_fn``'s collect function returns (logprobs, values), on every rank."""
-    local = local_share(trajs)  # this replica's slice; gathered below
-    mbs = micro_batches(local, lc, pad_id)
+    response token, what ``step_fn``'s collect function returns (logprobs, values), on every rank.
+    Over a replica's share (``is_local``): of its rows only, on the ranks of the replica."""
+    local = local_share(trajs)  # this replica's slice; gathered below unless it is a share
+    mbs = micro_batches(local, lc, pad_id) if len(local) or lc.ep > 1 else []
     result: Dict[int, List[float]] = {}
-    for mb, values in zip(mbs, forward_only(model, mbs, step_fn)):  # empty except on the last stage
-        result.update(response_values(mb, values.cpu(), local))
-    return gather_shares(from_last_stage([result.get(i) for i in range(len(local))]))
+    if mbs:
+        for mb, values in zip(mbs, forward_only(model, mbs, step_fn)):  # empty except on the last stage
+            result.update(response_values(mb, values.cpu(), local))
+    ours = from_last_stage([result.get(i) for i in range(len(local))])
+    return ours if is_local(trajs) else gather_shares(ours)
 
 
 def minibatch_steps(trajs: Sequence[Trajectory], lc: LearnerConfig,
@@ -238,12 +242,17 @@ def minibatch_steps(trajs: Sequence[Trajectory], lc: LearnerConfig,
                     ) -> Tuple[Dict[str, float], List[float]]:
     """``learner.ppo_epochs`` passes over the batch, each split into ``learner.mini_batches``
     optimizer steps; returns the summed statistics and each step's gradient norm."""
-    per_mini = math.ceil(len(trajs) / lc.mini_batches)
+    index = getattr(trajs, "index", None)
+    if is_local(trajs) and index is not None:  # a replica's share: its slice of each mini-batch
+        bounds = list(index.minibatches)
+    else:
+        per_mini = math.ceil(len(trajs) / lc.mini_batches)
+        bounds = [(start, start + per_mini) for start in range(0, len(trajs), per_mini)]
     totals: Dict[str, float] = {}
     grad_norms: List[float] = []
     for _ in range(lc.ppo_epochs):
-        for start in range(0, len(trajs), per_mini):
-            stats, grad_norm = step(trajs[start : start + per_mini])
+        for start, end in bounds:
+            stats, grad_norm = step(trajs[start:end])
             grad_norms.append(grad_norm)
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v

@@ -23,11 +23,13 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 import numpy as np
 import torch
 
-from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, sample_advantages
+from ..algorithms.advantages import ADVANTAGE_ESTIMATORS, row_advantages
 from ..algorithms.kl import kl_shaped_reward
 from ..registry import Registry
 from ..algorithms.gae import gae_advantages, masked_whiten
 from .teachers import teacher_logprobs
+from .data_parallel import gather_rows, sum_over_replicas
+from .shares import BatchIndex
 from .train_batch import TrainBatch, padded
 from ..algorithms.rollout_correction import Correction
 from ..errors import ConfigError
@@ -119,10 +121,15 @@ def reverse_kl_metrics(batch: TrainBatch, student: Sequence[Sequence[float]],
     trained token; with several teachers also ``distill/reverse_kl/<name>`` over each one's rows."""
     names = batch.teachers or ("",) * len(batch)
     sums: Dict[str, List[float]] = {}
+    if batch.teachers:  # every teacher of the step, so the sums over the replicas have the same keys
+        sums = {name: [0.0, 0.0] for name in sorted(set(index_of(batch).teachers))}
     for traj, name, s_row, t_row in zip(batch, names, student, teacher):
         kl, tokens = sums.setdefault(name, [0.0, 0.0])
         sums[name] = [kl + sum((s - t) * m for s, t, m in zip(s_row, t_row, traj.loss_mask)),
                       tokens + sum(traj.loss_mask)]
+    if not whole(batch):  # a replica's share: the step's sums are the replicas' together
+        summed = sum_over_replicas({f"{k}/{part}": v[i] for k, v in sums.items() for i, part in enumerate(("kl", "n"))})
+        sums = {k: [summed[f"{k}/kl"], summed[f"{k}/n"]] for k in sums}
     kl_total, tokens_total = (sum(v[i] for v in sums.values()) for i in (0, 1))
     metrics = {"distill/reverse_kl": kl_total / tokens_total if tokens_total else 0.0}
     if batch.teachers:
@@ -160,6 +167,26 @@ def recipe_for(algo_name: str) -> LearnerRecipe:
                      f"(recipes: {LEARNER_RECIPES.names()}, estimators: {ADVANTAGE_ESTIMATORS.names()})")
 
 
+def index_of(batch: TrainBatch) -> BatchIndex:
+    """What every rank knows of every row of the step's batch (built here for a batch made
+    without one, e.g. in a test)."""
+    return batch.index if batch.index is not None else BatchIndex.of(batch, batch.groups, batch.teachers)
+
+
+def whole(batch: TrainBatch) -> bool:
+    """Whether this rank holds every row of the step (else batch-wide figures need the replicas)."""
+    return not batch.local or index_of(batch).whole
+
+
+def every_row(batch: TrainBatch, values: Sequence) -> List:
+    """One value per row of the whole step, on every rank, from this batch's ``values`` (one per
+    trajectory): a share's come from every replica (a few bytes per row)."""
+    index = index_of(batch)
+    if not batch.local:
+        return list(values)
+    return gather_rows(index.rows, values, len(index))
+
+
 def trained_rewards(worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBatch, Metrics]:
     """The batch with ``rewards``: the verifier's, or KL-charged with ``algo.kl_in_reward``."""
     a = worker.cfg.algo
@@ -172,18 +199,20 @@ def trained_rewards(worker: "LearnerWorker", batch: TrainBatch) -> Tuple[TrainBa
                               ref_logprobs=learner.compute_logprobs(batch, temperature, reference=True))
     shaped = [kl_shaped_reward(r, torch.tensor(p), torch.tensor(ref), a.kl_coef, a.kl_estimator)
               for r, p, ref in zip(verifier, batch.get("proximal_logprobs"), batch.get("ref_logprobs"))]
-    charge = float(np.mean([r - s for r, s in zip(verifier, shaped)])) if shaped else 0.0
+    charges = every_row(batch, [r - s for r, s in zip(verifier, shaped)])
+    charge = float(np.mean(charges)) if charges else 0.0
     return batch.with_fields(rewards=shaped), {"reward/kl_penalty_mean": charge}
 
 
 def with_group_advantages(worker: "LearnerWorker", batch: TrainBatch) -> TrainBatch:
     """The batch with per-token ``advantages``: each sample's group-relative advantage on
     every one of its response tokens."""
-    rewards = batch.get("rewards")
-    groups = [[batch[i] for i in grp] for grp in batch.groups]
-    per_sample = sample_advantages(groups, [[rewards[i] for i in grp] for grp in batch.groups], worker.cfg.algo)
-    advantage = {i: value for grp, row in zip(batch.groups, per_sample) for i, value in zip(grp, row)}
-    return batch.with_fields(advantages=[[advantage[i]] * len(t.response_ids) for i, t in enumerate(batch)])
+    index = index_of(batch)
+    rewards = every_row(batch, batch.get("rewards"))  # a group's rows may be on several replicas
+    advantage = row_advantages(index.groups, index.sample_index, index.trained_tokens, index.advantage_scale,
+                               rewards, worker.cfg.algo)
+    rows = index.rows if batch.local else range(len(batch))
+    return batch.with_fields(advantages=[[advantage[r]] * len(t.response_ids) for r, t in zip(rows, batch)])
 
 
 def gae_advantages_and_returns(batch: TrainBatch, gamma: float, lam: float, whiten: bool = True,
@@ -197,9 +226,22 @@ def gae_advantages_and_returns(batch: TrainBatch, gamma: float, lam: float, whit
     at_last = padded(batch, [[0.0] * (n - 1) + [r] if n else [] for n, r in zip(lengths, batch.get("rewards"))])
     advantages, returns = gae_advantages(at_last, padded(batch, batch.get("values")), valid, gamma, lam)
     if whiten:
-        advantages = masked_whiten(advantages, padded(batch, [t.loss_mask for t in batch]))
+        mask = padded(batch, [t.loss_mask for t in batch])
+        advantages = masked_whiten(advantages, mask) if whole(batch) else whiten_over_replicas(advantages, mask)
     return ([advantages[i, :n].tolist() for i, n in enumerate(lengths)],
             [returns[i, :n].tolist() for i, n in enumerate(lengths)])
+
+
+def whiten_over_replicas(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``masked_whiten`` with the mean and variance of the whole step's masked entries, from the
+    replicas' sums (each holds its share's rows)."""
+    mask = mask.to(values.dtype)
+    first = sum_over_replicas({"count": float(mask.sum()), "sum": float((values * mask).sum())})
+    if first["count"] == 0:
+        return torch.zeros_like(values)
+    mean = first["sum"] / first["count"]
+    var = sum_over_replicas({"sq": float((((values - mean) * mask) ** 2).sum())})["sq"] / first["count"]
+    return (values - mean) / (var ** 0.5 + eps) * mask
 
 
 def check_group_size(cfg) -> None:

@@ -103,16 +103,22 @@ def teacher_logprobs(batch: "TrainBatch", score: Callable[[Sequence[Trajectory],
     the learner ranks (each holds the same batch, so each runs the same passes in the same order)."""
     if not batch.teachers:
         return score(batch, SOLE)
-    from .data_parallel import dp_size_rank
+    from .data_parallel import LocalRows, dp_size_rank
 
     dp, _ = dp_size_rank()
     out: List[Optional[List[float]]] = [None] * len(batch)
-    for name in sorted(set(batch.teachers)):
+    # A replica's share: each replica scores its own rows, with every teacher of the step (the
+    # same passes on every rank, a teacher of none of its rows over none).
+    names = sorted(set(batch.index.teachers if batch.local and batch.index is not None else batch.teachers))
+    for name in names:
         rows = [i for i, t in enumerate(batch.teachers) if t == name]
         trajs = [batch[i] for i in rows]
-        # Every data-parallel replica takes a share of the pass: a teacher of fewer rows than
-        # replicas scores them repeated, and the repeats are dropped.
-        scored = score((trajs * dp)[: max(len(trajs), dp)], name)
+        if batch.local:
+            scored = score(LocalRows(trajs), name)
+        else:
+            # Every data-parallel replica takes a share of the pass: a teacher of fewer rows than
+            # replicas scores them repeated, and the repeats are dropped.
+            scored = score((trajs * dp)[: max(len(trajs), dp)], name)
         for i, logprobs in zip(rows, scored):
             out[i] = logprobs
     return out  # type: ignore[return-value]

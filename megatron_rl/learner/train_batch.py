@@ -9,16 +9,20 @@ already there: one writer per quantity, and a step's inputs can be read in one p
 
 ``TrainBatch`` is a sequence of its trajectories (``len``, iteration, ``batch[i]``); a slice is the
 sub-batch with the same fields, which is how data-parallel shares, mini-batches and micro-batches
-cut it.
+cut it. A batch is either the whole step's (every rank holds it; passes over it split and
+gather over the data-parallel replicas) or a replica's share (``local``: the rows the driver
+sent this rank, learner/shares.py); either way ``index`` tells what every rank knows of every
+row of the step (rewards, groups, trained tokens), which is all group-relative advantages need.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union, overload
+from typing import Dict, Iterator, Mapping, Optional, Sequence, Tuple, Union, overload
 
 from ..types import Trajectory
+from .shares import BatchIndex, index_groups
 
 # Per response token, one sequence of floats per trajectory.
 TOKEN_FIELDS = ("advantages", "proximal_logprobs", "ref_logprobs", "values", "returns")
@@ -35,27 +39,35 @@ class TrainBatch(Sequence[Trajectory]):
     # On-policy distillation with several teachers: each trajectory's teacher (a teacher.paths
     # name, from its prompt row); empty with one teacher or none.
     teachers: Tuple[str, ...] = ()
+    # What every rank knows of every row of the step (None on a slice: mini- and micro-batches).
+    index: Optional[BatchIndex] = None
+    # Whether the trajectories are this data-parallel replica's share (index.rows), not the whole batch.
+    local: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", MappingProxyType(dict(self.fields)))
 
     def __reduce__(self):  # pickles (to other ranks) and copies as its parts
-        return TrainBatch, (self.trajectories, self.groups, dict(self.fields), self.teachers)
+        return TrainBatch, (self.trajectories, self.groups, dict(self.fields), self.teachers, self.index, self.local)
 
     @classmethod
     def of_groups(cls, groups: Sequence[Sequence[Trajectory]],
                   teachers: Optional[Sequence[str]] = None) -> "TrainBatch":
-        """The batch of these groups' trajectories, frozen from now on; ``teachers``: each
-        group's teacher name (distillation from several teachers)."""
-        trajs: List[Trajectory] = []
-        index: List[Tuple[int, ...]] = []
-        for grp in groups:
-            index.append(tuple(range(len(trajs), len(trajs) + len(grp))))
-            trajs.extend(grp)
-        if teachers is not None and len(teachers) != len(groups):
-            raise ValueError(f"{len(teachers)} teacher names for {len(groups)} groups")
-        per_trajectory = tuple(name for name, grp in zip(teachers or (), groups) for _ in grp)
-        return cls(tuple(t.freeze() for t in trajs), tuple(index), teachers=per_trajectory)
+        """The batch of these groups' trajectories, frozen from now on (with Python lists as token
+        fields); ``teachers``: each group's teacher name (distillation from several teachers)."""
+        trajs, index = index_groups(groups, teachers)
+        return cls(tuple(t.listed().freeze() for t in trajs), index.groups, teachers=index.teachers, index=index)
+
+    @classmethod
+    def share(cls, trajs: Sequence[Trajectory], index: BatchIndex) -> "TrainBatch":
+        """A replica's share of the step's batch: ``trajs`` are the rows ``index.rows`` (in that
+        order), frozen from now on."""
+        if len(trajs) != len(index.rows):
+            raise ValueError(f"{len(trajs)} trajectories for a share of {len(index.rows)} rows")
+        position = {row: i for i, row in enumerate(index.rows)}
+        groups = tuple(g for g in (tuple(position[r] for r in grp if r in position) for grp in index.groups) if g)
+        teachers = tuple(index.teachers[r] for r in index.rows) if index.teachers else ()
+        return cls(tuple(t.listed().freeze() for t in trajs), groups, teachers=teachers, index=index, local=True)
 
     @classmethod
     def of(cls, trajs: Sequence[Trajectory], **fields: Sequence) -> "TrainBatch":
@@ -75,7 +87,8 @@ class TrainBatch(Sequence[Trajectory]):
         converted = {name: tuple(float(v) for v in values) if name in SEQUENCE_FIELDS
                      else tuple(self._token_row(name, i, row) for i, row in enumerate(values))
                      for name, values in new.items()}
-        return TrainBatch(self.trajectories, self.groups, {**self.fields, **converted}, self.teachers)
+        return TrainBatch(self.trajectories, self.groups, {**self.fields, **converted}, self.teachers, self.index,
+                          self.local)
 
     def _token_row(self, name: str, i: int, row: Sequence[float]) -> Tuple[float, ...]:
         traj = self.trajectories[i]
@@ -120,7 +133,7 @@ class TrainBatch(Sequence[Trajectory]):
         kept = {name: values[start:stop] for name, values in self.fields.items()}
         groups = tuple(tuple(i - start for i in grp if start <= i < stop) for grp in self.groups)
         return TrainBatch(self.trajectories[start:stop], tuple(g for g in groups if g), kept,
-                          self.teachers[start:stop])
+                          self.teachers[start:stop], None, self.local)
 
 
 def token_values(samples: Sequence[Trajectory], i: int) -> Dict[str, Sequence[float]]:

@@ -21,10 +21,13 @@ import torch.distributed as dist
 from ..checkpoint import load_checkpoint, save_checkpoint
 from ..checkpoint.resume import load_newest_good
 from ..config.schema import RootConfig
+from ..trajectory_buffers import TrajectoryBuffers, unpack
 from ..types import Trajectory
 from .critic import Critic
 from .learner import Learner
+from .data_parallel import dp_size_rank
 from .recipes import recipe_for
+from .shares import BatchIndex
 from .train_batch import TrainBatch
 
 logger = logging.getLogger(__name__)
@@ -66,11 +69,29 @@ class LearnerWorker:
     # ---------------------------------------------------------------- a step
     def train(self, groups: List[List[Trajectory]], version: int, lr: float,
               teachers: Optional[List[str]] = None) -> Dict[str, float]:
-        """One update of policy ``version`` on these scored groups: the algorithm's recipe fills
-        the batch (rewards trained on, advantages, ...), the learner updates, then what the
-        recipe runs after (the critic's update). ``teachers``: each group's teacher name
-        (distillation from several teachers, learner/teachers.py)."""
-        batch = TrainBatch.of_groups(groups, teachers)  # the trajectories are frozen from here on
+        """One update of policy ``version`` on these scored groups, every rank holding all of
+        them (one process; each rank keeps its replica's share): see ``train_share``.
+        ``teachers``: each group's teacher name (distillation from several teachers)."""
+        whole = TrainBatch.of_groups(groups, teachers)
+        rank, dp = self.replica()
+        index = whole.index.share(self.cfg.learner.mini_batches, dp, rank)
+        return self.train_share([whole[i] for i in index.rows], index, version, lr)
+
+    def replica(self) -> Tuple[int, int]:
+        """(this rank's data-parallel replica, the number of replicas)."""
+        size, rank = dp_size_rank()
+        return rank, size
+
+    def receive_rows(self, buffers: TrajectoryBuffers) -> List[Trajectory]:
+        """The trajectories of the rows the driver sent this rank (learner/group.py)."""
+        return unpack(buffers)
+
+    def train_share(self, trajs: List[Trajectory], index: BatchIndex, version: int, lr: float) -> Dict[str, float]:
+        """One update of policy ``version`` on this replica's share of the step's scored batch
+        (``trajs``, the rows ``index.rows``; learner/group.py sends each rank its own): the
+        algorithm's recipe fills the batch (rewards trained on, advantages, ...), the learner
+        updates, then what the recipe runs after (the critic's update)."""
+        batch = TrainBatch.share(trajs, index)  # the trajectories are frozen from here on
         self._sleep_local_engine()
         batch, metrics = self.recipe.prepare(self, batch)
         with self._span("train", step=version + 1):

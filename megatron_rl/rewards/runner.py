@@ -34,6 +34,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 from pebble import ProcessExpired, ProcessPool
 
 from ..plugins import PluginError
+from ..types import token_list
 from .shaping import overlong_penalty
 from .worker import Outcome, RewardInput, RewardLoadError, init_worker, score_items, warm_up
 
@@ -361,5 +362,5 @@ async def score_groups(runner: RewardRunner, decode: Callable[[List[int]], str],
 
 def reward_input(prompt: Any, completion: str, traj: Any) -> RewardInput:
     """What the reward of one sampled ``traj`` of ``prompt`` (data.datasets.Prompt) is given."""
-    return RewardInput(completion, tuple(prompt.acceptable_answers), prompt.text, tuple(traj.prompt_ids),
-                       tuple(traj.response_ids), prompt.ground_truth, dict(prompt.row))
+    return RewardInput(completion, tuple(prompt.acceptable_answers), prompt.text, tuple(token_list(traj.prompt_ids)),
+                       tuple(token_list(traj.response_ids)), prompt.ground_truth, dict(prompt.row))

@@ -29,8 +29,10 @@ class RolloutEngine(abc.ABC):
         with every token. Engines in another process answer with one message per group, not
         one per response, which on a busy trainer's event loop is most of the rollout overhead.
         The requests are made when this is called (where the engine's ``generate`` is eager), so
-        an abort made afterwards finds them."""
-        return asyncio.gather(*(whole_response(self.generate(rid, prompt_ids, params)) for rid in request_ids))
+        an abort made afterwards finds them. The token fields of each response are numpy arrays
+        (``trajectory_buffers.response_arrays``), whichever engine answers."""
+        gathered = asyncio.gather(*(whole_response(self.generate(rid, prompt_ids, params)) for rid in request_ids))
+        return asyncio.ensure_future(_as_arrays(gathered))
 
     @abc.abstractmethod
     async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
@@ -90,6 +92,12 @@ async def whole_response(stream: AsyncIterator[GenerationChunk]) -> GenerationCh
         if chunk.finish_reason is not None:
             finish = chunk.finish_reason
     return GenerationChunk(request_id, tokens, logprobs, versions, finish, routed_experts=_joined(routing))
+
+
+async def _as_arrays(responses: Awaitable[List[GenerationChunk]]) -> List[GenerationChunk]:
+    from ..trajectory_buffers import response_arrays
+
+    return [response_arrays(r) for r in await responses]
 
 
 def _joined(parts: list):

@@ -22,6 +22,7 @@ import logging
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
+from ..trajectory_buffers import response_arrays
 from ..types import GenerationChunk
 from .engine import RolloutEngine
 
@@ -162,7 +163,8 @@ class EngineServer:
 
     async def group(self, key: int, responses: Awaitable[List[GenerationChunk]]) -> None:
         try:
-            self.outbox.post(("group", key, await responses))
+            # Token fields as arrays: the driver receives the group without an object per token.
+            self.outbox.post(("group", key, [response_arrays(r) for r in await responses]))
         except Exception as err:  # noqa: BLE001 - the client raises it for this group
             self.post_error(("group_error", key, str(err)))
         finally:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ..registry import Registry
 from ..errors import ConfigError
 from ..types import GenerationChunk, SamplingParams, Trajectory
@@ -23,10 +25,12 @@ GroupWorkflow = Callable[["RolloutEngine", "Prompt", SamplingParams, Sequence[st
 WORKFLOWS: Registry[GroupWorkflow] = Registry("workflow")
 
 
-def _trajectory(prompt: Prompt, index: int, response: GenerationChunk) -> Trajectory:
+def _trajectory(prompt: Prompt, index: int, response: GenerationChunk,
+                prompt_ids: Optional[Sequence[int]] = None) -> Trajectory:
     # The engine's routing as it recorded it: each position's own, never recomputed here.
     routed = over_positions(response.routed_experts, len(prompt.prompt_ids) + len(response.token_ids))
-    return Trajectory(prompt.uid, index, list(prompt.prompt_ids), response.token_ids, response.logprobs,
+    prompt_ids = list(prompt.prompt_ids) if prompt_ids is None else prompt_ids
+    return Trajectory(prompt.uid, index, prompt_ids, response.token_ids, response.logprobs,
                       response.versions, response.finish_reason or "abort", routed_experts=routed)
 
 
@@ -41,7 +45,10 @@ async def single_turn_group(engine: RolloutEngine, prompt: Prompt, params: Sampl
                             request_ids: Sequence[str]) -> List[Trajectory]:
     """One response per request id to one prompt (a group), as ``single_turn`` each."""
     responses = await engine.generate_n(request_ids, prompt.prompt_ids, params)
-    return [_trajectory(prompt, i, r) for i, r in enumerate(responses)]
+    # The group's samples share one read-only array of the prompt (its responses are arrays too).
+    prompt_ids = np.asarray(prompt.prompt_ids, dtype=np.int32)
+    prompt_ids.flags.writeable = False
+    return [_trajectory(prompt, i, r, prompt_ids) for i, r in enumerate(responses)]
 
 
 async def generate_groups(engine: RolloutEngine, work: Sequence[Tuple[Prompt, int]], params: SamplingParams,

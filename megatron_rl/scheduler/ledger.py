@@ -35,8 +35,8 @@ class FinishedGroup:
     @property
     def oldest_version(self) -> int:
         """The version of the group's oldest token (the admission version if none were made)."""
-        versions = [v for t in self.trajectories for v in t.versions]
-        return min(versions) if versions else self.ticket.version
+        made = [t.oldest_version for t in self.trajectories if len(t.versions)]
+        return min(made) if made else self.ticket.version
 
 
 def max_ahead_groups(max_ahead_batches: float, groups_per_batch: int) -> int:

@@ -11,6 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
+import numpy as np
+
 from ..errors import one_line
 
 if TYPE_CHECKING:
@@ -136,13 +138,14 @@ def forget_spans_after(path: Path, saved_at: float, step: int, version: int) -> 
 def run_lengths(values: Sequence[int]) -> List[List[int]]:
     """``[[value, count], ...]`` of consecutive equal values: a sample's per-token policy
     versions in a few pairs (a version changes only at a weight sync)."""
-    out: List[List[int]] = []
-    for v in values:
-        if out and out[-1][0] == v:
-            out[-1][1] += 1
-        else:
-            out.append([int(v), 1])
-    return out
+    values = np.asarray(values)
+    if values.size == 0:
+        return []
+    if (values == values[0]).all():  # the common case: one version made every token
+        return [[int(values[0]), int(values.size)]]
+    starts = np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]]))
+    counts = np.diff(np.concatenate([starts, [values.size]]))
+    return [[int(v), int(c)] for v, c in zip(values[starts], counts)]
 
 
 class TrainedBatches:
@@ -160,10 +163,11 @@ class TrainedBatches:
 
     def write(self, step: int, version: int, groups) -> None:
         """``groups``: the step's FinishedGroups."""
-        self.file.write(json_line({
+        # Integers and ids only (no float to clean, unlike json_line's rows): one json.dumps per step.
+        self.file.write(json.dumps({
             "step": step, "policy_version": version,
             "groups": [{"index": g.ticket.index, "uid": g.ticket.prompt.uid, "admitted_version": g.ticket.version,
-                        "token_versions": [run_lengths(t.versions) for t in g.trajectories]} for g in groups]}))
+                        "token_versions": [run_lengths(t.versions) for t in g.trajectories]} for g in groups]}) + "\n")
 
     def close(self) -> None:
         self.file.close()

@@ -40,6 +40,7 @@ import torch
 from ...config.schema import ModelConfig, RootConfig
 from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
+from ...trajectory_buffers import response_arrays
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
 from ..sampling import Stream, request_key
@@ -618,8 +619,9 @@ class EmbeddedEngine(RolloutEngine):
         if req.group is not None:
             if req.finish is not None:
                 group, index = req.group
-                group.deliver(index, GenerationChunk(req.request_id, req.tokens, req.logprobs, req.versions,
-                                                     req.finish, routed_experts=req.take_routing(whole=True)))
+                group.deliver(index, response_arrays(GenerationChunk(
+                    req.request_id, req.tokens, req.logprobs, req.versions, req.finish,
+                    routed_experts=req.take_routing(whole=True))))
                 req.closed = True
                 self._running.pop(req.request_id, None)
             return
