@@ -182,7 +182,8 @@ class LoraConfig:
     """Low-rank adapters (LoRA) on the policy's linear projections: each adapted weight W stays
     frozen in model.dtype and the model computes W·x + (alpha / rank)·B·A·x with A and B trained in
     fp32 (B starts at zero, so training starts from the base model). The optimizer, gradient
-    buffers and optimizer state hold the adapters only; the engines receive merged weights."""
+    buffers and optimizer state hold the adapters only; the engines receive merged weights.
+    tools/export_lora.py writes the adapters as a PEFT directory, tools/merge_lora.py a merged model."""
     # Rank of each adapter (the inner size of B·A); 0 trains every weight (no LoRA).
     rank: int = 0
     # Scale numerator: the low-rank update is multiplied by alpha / rank.
@@ -588,7 +589,8 @@ class TrainerConfig:
     resume: bool = True
     # Write a checkpoint after the last step.
     save_final_checkpoint: bool = True
-    # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf).
+    # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf). Under
+    # LoRA that is the merged model, and the adapters go beside it as a PEFT directory (step_N/peft).
     export_hf: bool = False
     # Write a few decoded responses to samples.jsonl every this many steps.
     log_interval: int = 1
