@@ -14,26 +14,9 @@ version that sampled it, as with full weights.
 from __future__ import annotations
 
 import time
-from typing import Dict, Iterator, Tuple
+from typing import Dict
 
-import torch
-
-from ..config.schema import ModelConfig
-from ..models.hf_names import megatron_to_hf
-from ..models.lora import is_adapter_name
-from .reshard import full_tensors
-
-
-def base_hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
-    """The frozen base's full tensors under HF names, unmerged (the adapters left out)."""
-    for name, tensor in full_tensors(module):
-        if not is_adapter_name(name):
-            yield from megatron_to_hf(name, tensor, model_cfg)
-
-
-def adapter_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
-    """The adapters as full tensors under their Megatron names."""
-    return dict(full_tensors(module, adapters_only=True))
+from .adapters import base_hf_tensors
 
 
 class AdapterTransport:
@@ -46,10 +29,10 @@ class AdapterTransport:
 
     async def push(self, version: int) -> Dict[str, float]:
         start = time.perf_counter()
-        module, model_cfg = self.worker.learner.module, self.worker.cfg.model
-        tensors = adapter_tensors(module)
+        learner = self.worker.learner
+        tensors = dict(learner.adapter_tensors())  # copies: the learner may train on while they load
         if not self._base_sent:
-            tensors.update(base_hf_tensors(module, model_cfg))
+            tensors.update(base_hf_tensors(learner.module, self.worker.cfg.model))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         adapter_only = self._base_sent
         await self.engine.swap_weights(tensors.items(), version)
