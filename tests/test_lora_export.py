@@ -154,3 +154,37 @@ def test_tools_export_and_merge_from_the_command_line(megatron_world, tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("lora:\n  rank: 0\n")
     done = _tool("export_lora.py", str(step), str(tmp_path / "y"))
     assert done.returncode == 2 and "run without LoRA" in done.stderr
+
+
+def test_peft_export_of_a_pipeline_parallel_learner_equals_one_process(megatron_world, tmp_path):
+    """At PP=2 every stage's adapters reach rank 0's PEFT directory: the same files as one process."""
+    from safetensors.torch import load_file
+
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.models.lora import is_adapter_name
+    from megatron_rl.models.lora_checkpoint import write_peft_from_learner
+
+    from lora_cases import peft_export_case
+    from parallel_cases import VOCAB, tiny_cfg
+    from rank_harness import run_ranks
+
+    cfg = tiny_cfg()
+    cfg.lora.rank, cfg.lora.alpha = 4, 8.0
+    learner = Learner(cfg, VOCAB)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in learner.module.named_parameters():
+            if is_adapter_name(name):
+                p.copy_(torch.randn(p.shape, generator=gen))
+    full = {k: v.detach().clone() for k, v in learner.module.state_dict().items() if isinstance(v, torch.Tensor)}
+    adapters = {k: v for k, v in full.items() if is_adapter_name(k)}
+    write_peft_from_learner(tmp_path / "one", adapters, cfg.model, cfg.lora, None)
+    pp_cfg = tiny_cfg(pp=2)
+    pp_cfg.lora.rank, pp_cfg.lora.alpha = 4, 8.0
+    run_ranks(peft_export_case, 2, args=(pp_cfg, full, str(tmp_path / "pp2")), timeout_s=180)
+    one = load_file(str(tmp_path / "one" / "adapter_model.safetensors"))
+    pp2 = load_file(str(tmp_path / "pp2" / "adapter_model.safetensors"))
+    assert len(one) == 4 * 7 * 2 and one.keys() == pp2.keys()  # 4 layers, over both stages
+    assert all(torch.equal(one[k], pp2[k]) for k in one)
+    configs = [(tmp_path / d / "adapter_config.json").read_text() for d in ("one", "pp2")]
+    assert configs[0] == configs[1]
