@@ -48,7 +48,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from megatron_rl.models import lora_checkpoint
 
         if args.adapter is not None:
-            out = lora_checkpoint.merge_peft(args.src, args.adapter, args.out, args.dtype, args.max_shard_size)
+            out = lora_checkpoint.merge_peft(args.src, args.adapter, args.out, args.dtype, args.max_shard_size,
+                                             args.tokenizer)
         else:
             from megatron_rl.learner.parallel import init_model_parallel
 

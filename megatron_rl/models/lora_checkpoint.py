@@ -125,9 +125,10 @@ def merge_checkpoint(checkpoint: Path | str, out: Path | str, dtype: Optional[st
 
 
 def merge_peft(base_dir: Path | str, adapter_dir: Path | str, out: Path | str, dtype: Optional[str] = None,
-               max_shard_bytes: int = 5 * 2**30) -> Path:
+               max_shard_bytes: int = 5 * 2**30, tokenizer_dir: Optional[Path | str] = None) -> Path:
     """An HF base directory + a PEFT LoRA directory -> one HF checkpoint, merged in fp32 and
-    written in ``dtype`` (default: each base tensor's own). Any HF model works, not only ours."""
+    written in ``dtype`` (default: each base tensor's own), with the tokenizer files of
+    ``tokenizer_dir`` (default: the base's). Any HF model works, not only ours."""
     from .hf_checkpoint import copy_tokenizer_files
 
     config, adapters = read_peft_dir(adapter_dir)
@@ -141,5 +142,5 @@ def merge_peft(base_dir: Path | str, adapter_dir: Path | str, out: Path | str, d
     base = ((name, reader.get(name)) for name in reader.names())
     write_hf_checkpoint(out, merged_hf_tensors(base, adapters, scaling, _DTYPES[dtype] if dtype else None), hf_config,
                         max_shard_bytes=max_shard_bytes)
-    copy_tokenizer_files(base_dir, out)
+    copy_tokenizer_files(tokenizer_dir or base_dir, out)
     return out
