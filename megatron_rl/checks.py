@@ -22,7 +22,7 @@ from .errors import ConfigError, UserError
 from .learner.recipes import LEARNER_RECIPES, check_group_size, check_teacher
 from .models.families import FAMILY_NAMES, check_family
 from .models.layout import check_layouts
-from .models.lora import check_lora
+from .models.lora import LORA_SYNCS, check_lora
 from .models.routing import check_routing_replay, routing_replay_on
 from .models.shared_prefix import check_share_prompts
 from .plugins import is_import_path
@@ -42,6 +42,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "model.dtype": ("fp32", "bf16"),
     "model.moe_token_dispatcher": ("alltoall", "allgather"),
     "model.moe_router_score_function": ("softmax", "sigmoid"),
+    "lora.sync": LORA_SYNCS,
     "rollout.engine": ENGINES.names,
     "rollout.workflow": workflow_names,
     "rollout.placement": ("colocated",),

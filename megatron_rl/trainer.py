@@ -32,6 +32,7 @@ from .learner.group import LearnerGroup, LearnerRanksFailed
 from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
+from .models.lora import engine_applies_adapters
 from .models.pretrained import vocab_size_for
 from .plugins import PluginError
 from .rewards import RewardRunner, score_groups
@@ -57,6 +58,7 @@ from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
 from .types import SamplingParams, Trajectory
 from .weights.transport import BroadcastTransport, ColocatedTransport, InProcessTransport
+from .weights.adapter_sync import AdapterTransport
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +224,8 @@ class Trainer:
             self.worker = LearnerWorker(cfg, vocab, self.tokenizer.pad_id)
             self.learners = LearnerGroup(self.worker)
             self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
-            self.transport = InProcessTransport(self.engine, self.worker)
+            self.transport = (AdapterTransport(self.engine, self.worker) if engine_applies_adapters(cfg)
+                              else InProcessTransport(self.engine, self.worker))
         else:
             self.tokenizer, prompts = world.data
             self.worker, self.learners, self.engine = world.worker, world.learners, world.engine

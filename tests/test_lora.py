@@ -295,6 +295,7 @@ def test_checkpoint_written_in_one_process_resumes_at_tensor_parallel_two(megatr
     ({"lora.dropout": 1.0}, "lora.dropout=1.0"),
     ({"lora.targets": ["linear_qkv", "q_proj"]}, "lora.targets="),
     ({"lora.targets": []}, "lora.targets="),
+    ({"lora.sync": "files"}, "lora.sync"),
     ({"model.family": "mixtral", "model.num_experts": 4}, "routed experts"),
     ({"lora.targets": ["linear_qkv"], "model.kv_lora_rank": 16}, "multi-head latent attention"),
 ])

@@ -182,7 +182,8 @@ class LoraConfig:
     """Low-rank adapters (LoRA) on the policy's linear projections: each adapted weight W stays
     frozen in model.dtype and the model computes W·x + (alpha / rank)·B·A·x with A and B trained in
     fp32 (B starts at zero, so training starts from the base model). The optimizer, gradient
-    buffers and optimizer state hold the adapters only; the engines receive merged weights."""
+    buffers and optimizer state hold the adapters only; engines receive the adapters (lora.sync).
+    tools/export_lora.py writes the adapters as a PEFT directory, tools/merge_lora.py a merged model."""
     # Rank of each adapter (the inner size of B·A); 0 trains every weight (no LoRA).
     rank: int = 0
     # Scale numerator: the low-rank update is multiplied by alpha / rank.
@@ -193,6 +194,13 @@ class LoraConfig:
     # query/key/value), linear_proj (attention output), linear_fc1 (fused gate/up of the MLP),
     # linear_fc2 (MLP down). An MoE model's MLPs are its routed experts: attention only there.
     targets: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # What a weight sync sends. adapters: the embedded engine of a one-process run
+    # (rollout.engine=embedded, rollout.separate_process included) carries the adapters and applies
+    # them unmerged (no merged weight rounded to model.dtype); the first sync sends the frozen base
+    # and the adapters, each later one the adapters alone. merged: W + (alpha / rank)·B·A, computed
+    # in fp32 and cast to model.dtype, the whole model every sync. Engines that cannot apply
+    # adapters (vLLM, engine ranks of a torchrun world) receive merged weights either way.
+    sync: str = "adapters"
 
 
 @dataclass
@@ -588,7 +596,8 @@ class TrainerConfig:
     resume: bool = True
     # Write a checkpoint after the last step.
     save_final_checkpoint: bool = True
-    # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf).
+    # Also write each checkpoint's weights as a Hugging Face directory (checkpoints/step_N/hf). Under
+    # LoRA that is the merged model, and the adapters go beside it as a PEFT directory (step_N/peft).
     export_hf: bool = False
     # Write a few decoded responses to samples.jsonl every this many steps.
     log_interval: int = 1

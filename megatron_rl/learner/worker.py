@@ -32,6 +32,9 @@ from .train_batch import TrainBatch
 
 logger = logging.getLogger(__name__)
 
+# Under LoRA, trainer.export_hf also writes the adapters as a PEFT directory here, beside ``hf``.
+PEFT_EXPORT_DIR = "peft"
+
 
 class LearnerWorker:
     """Policy learner (and critic, for PPO with GAE) of this rank.
@@ -168,7 +171,21 @@ class LearnerWorker:
             if not dist.is_initialized() or dist.get_rank() == 0:
                 export_hf_checkpoint(tensors, self.cfg.model, self.vocab_size, path / export_dir,
                                      tokenizer_dir=tokenizer_dir)
+            if self.learner.lora:
+                self._export_peft(path / PEFT_EXPORT_DIR)
         return str(path)
+
+    def _export_peft(self, out: Path) -> None:
+        """Under LoRA, beside the merged HF export: the adapters as a PEFT directory naming the
+        HF ``model.path`` as its base (collective: the adapters are gathered on every rank)."""
+        from ..models.lora_checkpoint import write_peft_from_learner
+        from ..weights.adapters import all_adapter_tensors
+
+        adapters = all_adapter_tensors(self.learner.module)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            path = self.cfg.model.path
+            base = str(Path(path).resolve()) if path and (Path(path) / "config.json").is_file() else None
+            write_peft_from_learner(out, adapters, self.cfg.model, self.cfg.lora, base)
 
     def resume(self, root: str) -> Optional[Tuple[str, Dict[str, Any]]]:
         """Load the newest loadable checkpoint under ``root`` (None if there is none)."""

@@ -117,8 +117,8 @@ def _refuse_lora_adapters(path: Path | str) -> None:
     adapters = [k for k in dist_checkpointing.load_tensors_metadata(str(path)) if is_adapter_name(k)]
     if adapters:
         raise ConversionError(f"{path} is a LoRA run's checkpoint ({len(adapters)} adapter tensors such as "
-                              f"{adapters[0]!r}): a plain model would load its base without the adapters; resume "
-                              "that run (same trainer.run_dir) to continue it")
+                              f"{adapters[0]!r}): a plain model would load its base without the adapters; merge them "
+                              "with tools/merge_lora.py (or resume that run: same trainer.run_dir)")
 
 
 def _build_full(cfg: ModelConfig, vocab_size: int) -> torch.nn.Module:

@@ -38,6 +38,13 @@ from ..errors import ConfigError
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
+LORA_SYNCS = ("adapters", "merged")
+
+
+def engine_applies_adapters(cfg) -> bool:
+    """Whether this run's one-process embedded engine carries the adapters (lora.sync=adapters):
+    each weight sync after the first then sends the adapters alone."""
+    return cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and cfg.rollout.engine == "embedded"
 
 
 def is_adapter_name(name: str) -> bool:

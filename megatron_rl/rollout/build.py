@@ -29,15 +29,18 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
     """The learner's Megatron model behind a KV cache: in this process, or in a child process of
     its own with ``rollout.separate_process`` (on a CPU its decode loop and the learner's step
     then do not take turns on one interpreter lock)."""
+    from ..models.lora import engine_applies_adapters
     from .embedded import EmbeddedEngine, EngineProcess, engine_options
 
     r = cfg.rollout
+    # lora.sync=adapters: the engine applies the learner's adapters unmerged (weights/adapter_sync.py).
+    lora = cfg.lora if engine_applies_adapters(cfg) else None
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                             device_index=device_index, **engine_options(cfg))
+                             device_index=device_index, lora=lora, **engine_options(cfg))
     # Without overlap the engine computes on the learner's thread: one thread team for the cores.
     return EmbeddedEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed,
-                          executor=None if overlap else learner_executor, **engine_options(cfg))
+                          executor=None if overlap else learner_executor, lora=lora, **engine_options(cfg))
 
 
 @ENGINES.register("vllm")

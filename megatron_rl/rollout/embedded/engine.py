@@ -37,9 +37,10 @@ from typing import AsyncIterator, Awaitable, Deque, Dict, Iterable, List, Option
 import numpy as np
 import torch
 
-from ...config.schema import ModelConfig, RootConfig
+from ...config.schema import LoraConfig, ModelConfig, RootConfig
 from ...models.gpt import build_gpt_model, model_device
 from ...models.hf_names import hf_to_megatron
+from ...models.lora import add_lora, is_adapter_name
 from ...trajectory_buffers import response_arrays
 from ...types import GenerationChunk, SamplingParams
 from ..engine import EngineError, RolloutEngine
@@ -195,14 +196,20 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
                  recompute_kv_on_update: bool = False, cuda_graphs: bool = True, record_routing: bool = True,
-                 max_seq_len: Optional[int] = None):
+                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own.
         ``record_routing``: a mixture of experts returns its routing on the chunks (see above).
         ``max_seq_len``: prompt + response tokens a row holds (``engine_context_tokens``; default
-        the model's max_position_embeddings)."""
+        the model's max_position_embeddings). ``lora``: the model carries the learner's LoRA
+        adapters and applies them unmerged (base matmul + low-rank path, in prefill and decode);
+        ``update_weights`` then takes adapter tensors under their Megatron names (``...lora_a``)
+        beside or without the base's HF tensors."""
         self.model_cfg = model_cfg
         self.model = build_gpt_model(model_cfg, vocab_size, kv_attention=True)
+        self.lora = lora is not None and lora.rank > 0
+        if self.lora:  # B starts at zero: the base model until the first adapters arrive
+            add_lora(self.model, lora.rank, lora.alpha, 0.0, lora.targets)
         self.model.eval()
         self.device = model_device()
         self._gen = KVCachedGenerator(self.model, max_batch_size, max_seq_len or model_cfg.max_position_embeddings,
@@ -361,12 +368,20 @@ class EmbeddedEngine(RolloutEngine):
     # ------------------------------------------------------------------ internals
     @torch.no_grad()
     def _load(self, hf: Dict[str, torch.Tensor]) -> None:
+        """Copy the incoming tensors into the model's own (CUDA graphs stay valid): HF-named
+        base weights (all of them, or none: an adapter-only update) and LoRA adapters under their
+        Megatron names."""
         state = self.model.state_dict()
-        names = [k for k, v in state.items() if isinstance(v, torch.Tensor)]
-        for name, tensor in hf_to_megatron(hf, names, self.model_cfg).items():
-            if state[name].shape != tensor.shape:
-                raise EngineError(f"weight {name}: engine shape {tuple(state[name].shape)} != "
-                                  f"incoming {tuple(tensor.shape)}")
+        adapters = {k: hf.pop(k) for k in [k for k in hf if is_adapter_name(k)]}
+        if adapters and not self.lora:
+            raise EngineError(f"LoRA adapters ({next(iter(adapters))!r}, ...) sent to an engine built without them: "
+                              "build it with lora= (the trainer does under lora.sync=adapters)")
+        names = [k for k, v in state.items() if isinstance(v, torch.Tensor) and not is_adapter_name(k)]
+        incoming = hf_to_megatron(hf, names, self.model_cfg) if hf or not adapters else {}
+        for name, tensor in [*incoming.items(), *adapters.items()]:
+            if name not in state or state[name].shape != tensor.shape:
+                have = tuple(state[name].shape) if name in state else "none"
+                raise EngineError(f"weight {name}: engine shape {have} != incoming {tuple(tensor.shape)}")
             state[name].copy_(tensor)
 
     @property

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.multiprocessing as mp
 
-from ...config.schema import ModelConfig
+from ...config.schema import LoraConfig, ModelConfig
 from ..client import EngineClient
 from ..engine import EngineError
 from ...lifetime import die_with_parent
@@ -40,8 +40,9 @@ class EngineProcess(EngineClient):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
                  cpu_threads: int = 1, recompute_kv_on_update: bool = False, start_timeout_s: float = 300.0,
                  device_index: Optional[int] = None, cuda_graphs: bool = True, record_routing: bool = True,
-                 max_seq_len: Optional[int] = None):
-        """``device_index``: the GPU the child computes on (None: CUDA's default device, cuda:0)."""
+                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None):
+        """``device_index``: the GPU the child computes on (None: CUDA's default device, cuda:0).
+        ``lora``: the child's engine applies LoRA adapters unmerged (``EmbeddedEngine``)."""
         ctx = mp.get_context("spawn")
         conn, child = ctx.Pipe()
         self._device_index = device_index
@@ -49,7 +50,7 @@ class EngineProcess(EngineClient):
                        max_batch_size=max_batch_size, seed=seed, cpu_threads=cpu_threads,
                        recompute_kv_on_update=recompute_kv_on_update, device_index=device_index,
                        cuda_graphs=cuda_graphs, record_routing=record_routing, max_seq_len=max_seq_len,
-                       parent_pid=os.getpid())
+                       lora=dataclasses.asdict(lora) if lora is not None else None, parent_pid=os.getpid())
         self._proc = ctx.Process(target=_child_main, args=(child, options), name="embedded-engine", daemon=True)
         self._proc.start()
         child.close()
@@ -111,7 +112,8 @@ def _child_main(conn, options: Dict[str, Any]) -> None:
                                 options["max_batch_size"], seed=options["seed"],
                                 recompute_kv_on_update=options["recompute_kv_on_update"],
                                 cuda_graphs=options["cuda_graphs"], record_routing=options["record_routing"],
-                                max_seq_len=options["max_seq_len"])
+                                max_seq_len=options["max_seq_len"],
+                                lora=LoraConfig(**options["lora"]) if options["lora"] else None)
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("failed", repr(err)))
         return
