@@ -81,11 +81,7 @@ class LearnerWorker:
     # ---------------------------------------------------------------- weights out
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Every full HF-named tensor, on every learner rank (collective when sharded)."""
-        if not self._sharded():
-            return self.learner.export_hf_weights()
-        from ..weights.sync import all_hf_tensors
-
-        return iter(all_hf_tensors(self.learner.module, self.cfg.model).items())
+        return self.learner.export_hf_weights()
 
     def _sharded(self) -> bool:
         return dist.is_initialized() and dist.get_world_size() > 1  # the learner ranks' world
