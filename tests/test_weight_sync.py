@@ -3,7 +3,6 @@ engine holds exactly the learner's weights (bit for bit) and its sampling logpro
 learner's, for TP=2, PP=2 and EP=2 (MoE) learners."""
 
 import pytest
-import torch
 
 from rank_harness import run_ranks
 from parallel_cases import sync_case, tiny_cfg
