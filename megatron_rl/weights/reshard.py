@@ -105,7 +105,7 @@ def full_tensors(module: torch.nn.Module, merged: bool = False, adapters_only: b
     ep, ep_rank, n_local = _expert_split(module)
     for name, tensor, dim in _weights(module, merged, adapters_only):
         expert = _EXPERT.match(name)
-        tp, tp_rank, group = _tp_of(bool(expert))
+        tp, tp_rank, group = _tp_of(bool(expert)) if dim is not None else (1, 0, None)
         local = tensor.detach()
         if dim is None or tp == 1:
             full = local.clone() if copy else local
