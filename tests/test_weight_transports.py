@@ -105,5 +105,6 @@ def test_a_push_longer_than_the_timeout_fails_naming_the_key(megatron_world):
         finally:
             await engine.shutdown()
 
-    with pytest.raises(EngineError, match=r"weights v1 did not reach the engines within 0.001 s \(rollout.weight_timeout_s\)"):
+    with pytest.raises(EngineError, match=r"weights v1 did not reach the engines within 0.001 s "
+                                          r"\(rollout.weight_timeout_s\)"):
         asyncio.run(asyncio.wait_for(run(), 120))

@@ -17,12 +17,14 @@ is named when the push fails (``rollout.engine.raise_if_gone``); a push that tak
 ``rollout.weight_timeout_s`` fails; a receiver that gets another version than asked fails
 (``check_version``).
 
-| engine kind | placement | transport | how the tensors travel |
-|---|---|---|---|
-| embedded, vllm | one_process | in_process | ``engine.swap_weights`` (shared memory, CUDA IPC on a GPU, to an engine process; vLLM: its own channel or file) |
-| embedded, vllm | colocated | colocated | every learner rank gathers every stage, loads its own engine as in one process |
-| embedded | disaggregated | world_broadcast | buckets over groups of the torchrun world (``sync.py``) |
-| vllm | disaggregated | vllm_channel | buckets over weight channels vLLM's workers join (``channel.py``) |
+Transports (engine kind, placement -> name: how the tensors travel):
+- embedded or vllm, one_process -> in_process: ``engine.swap_weights`` (to an engine process
+  through shared memory, a CUDA IPC handle on a GPU; vLLM: its own weight channel or file);
+- embedded or vllm, colocated -> colocated: every learner rank gathers every stage and loads its
+  own engine as in one process;
+- embedded, disaggregated -> world_broadcast: buckets over groups of the torchrun world (``sync.py``);
+- vllm, disaggregated -> vllm_channel: buckets over weight channels vLLM's workers join
+  (``channel.py``).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ Weights reach vLLM's workers by ``weight_transport``: ``broadcast`` (default) se
 over a weight channel the workers join (``weights/channel.py``: gloo on CPUs, NCCL on GPUs; no
 file), from this process (``update_weights``) or from a learner rank of a torchrun world
 (``receive_weights`` while the engine keeps generating, then ``apply_received`` swaps the
-version in whole; ``weights/transports.py`` drives the two); ``file`` writes one safetensors file to memory-backed scratch space and
-reloads it (the fallback).
+version in whole; ``weights/transports.py`` drives the two); ``file`` writes one safetensors
+file to memory-backed scratch space and reloads it (the fallback).
 
 A dead engine core (killed, crashed), or a hung one (a health probe unanswered for
 ``health_timeout_s``), fails every request in flight and every later call with an
