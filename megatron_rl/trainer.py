@@ -60,6 +60,7 @@ from .weights.transports import transport_for
 
 logger = logging.getLogger(__name__)
 
+
 class TrainingStopped(RolloutsStopped):
     """The learner cannot go on (steps skipped for non-finite values, weights no longer finite):
     the run stops like one whose rollouts cannot go on, with one line and no checkpoint."""
