@@ -319,7 +319,11 @@ class Trainer:
     async def sync_weights(self) -> None:
         self._sync_metrics = (await self.transport.push(self.version)).as_dict()
         if self.cfg.rollout.check_sync:
-            self._sync_metrics["sync/probe_gap"] = await self.probe_engines()
+            try:
+                self._sync_metrics["sync/probe_gap"] = await self.probe_engines()
+            except EngineError:
+                raise_if_gone([self.engine])
+                raise
 
     async def probe_engines(self, new_tokens: int = 8) -> float:
         """Every engine samples a fixed probe with the version just pushed; the learner scores the
