@@ -28,7 +28,7 @@ from .config.schema import RootConfig
 from .errors import ConfigError
 from .data.build import build_data
 from .data.datasets import Prompt
-from .learner.group import LearnerGroup, LearnerRanksFailed
+from .learner.group import LearnerGroup
 from .lifetime import available_cores
 from .learner.worker import LearnerWorker
 from .models.gpt import model_device
@@ -46,7 +46,7 @@ from .learner.recipes import recipe_for
 from .learner.teachers import check_row_teachers, row_teacher
 from .rollout.dataset_responses import DatasetResponses
 from .rollout.workflow import build_workflow
-from .rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
+from .rollout.engine import EngineError, RolloutEngine, raise_if_gone, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
@@ -57,14 +57,10 @@ from .telemetry.trackers import open_trackers
 from .telemetry.progress import Progress
 from .telemetry.run_dir import make_run_dir, setup_logging
 from .types import SamplingParams, Trajectory
-from .weights.transport import BroadcastTransport, ColocatedTransport, InProcessTransport
 from .weights.adapter_sync import AdapterTransport
+from .weights.transports import transport_for
 
 logger = logging.getLogger(__name__)
-
-# How long a failed weight sync waits for an engine to report that it died (two health probes of
-# a vLLM engine) before it is taken for a failure of its own.
-ENGINE_REPORT_GRACE_S = 10.0
 
 
 class TrainingStopped(RolloutsStopped):
@@ -224,13 +220,17 @@ class Trainer:
             self.worker = LearnerWorker(cfg, vocab, self.tokenizer.pad_id)
             self.learners = LearnerGroup(self.worker)
             self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
-            self.transport = (AdapterTransport(self.engine, self.worker) if engine_applies_adapters(cfg)
-                              else InProcessTransport(self.engine, self.worker))
+            # LoRA with an engine that applies the adapters unmerged: the base once, then adapters only.
+            transport = (AdapterTransport if engine_applies_adapters(cfg)
+                         else transport_for(cfg.rollout.engine, "one_process").transport)
+            self.transport = transport([self.engine], self.run_on_learners, cfg.rollout.weight_timeout_s,
+                                       worker=self.worker)
         else:
             self.tokenizer, prompts = world.data
             self.worker, self.learners, self.engine = world.worker, world.learners, world.engine
-            self.transport = (ColocatedTransport(self.run_on_learners) if world.colocated
-                              else BroadcastTransport(world.remote_engines, self.run_on_learners))
+            placement = "colocated" if world.colocated else "disaggregated"
+            self.transport = transport_for(cfg.rollout.engine, placement).transport(
+                world.remote_engines or [self.engine], self.run_on_learners, cfg.rollout.weight_timeout_s)
             self.learners.call("open_timeline", str(self.run_dir))
             logger.info("torchrun world:\n%s", world.table)
             (self.run_dir / "world.json").write_text(json.dumps({"plan": world.table, "ranks": world.ranks}, indent=1))
@@ -322,9 +322,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces of a step
     async def sync_weights(self) -> None:
-        self._sync_metrics = await self.transport.push(self.version)
+        self._sync_metrics = (await self.transport.push(self.version)).as_dict()
         if self.cfg.rollout.check_sync:
-            self._sync_metrics["sync/probe_gap"] = await self.probe_engines()
+            try:
+                self._sync_metrics["sync/probe_gap"] = await self.probe_engines()
+            except EngineError:
+                raise_if_gone([self.engine])
+                raise
 
     async def probe_engines(self, new_tokens: int = 8) -> float:
         """Every engine samples a fixed probe with the version just pushed; the learner scores the
@@ -427,7 +431,7 @@ class Trainer:
                 trajs = await self.workflow(self.engine, p, self.params,
                                             [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
             except EngineError:
-                self._raise_if_engine_gone()
+                raise_if_gone([self.engine])
                 raise
             except AgentError as err:  # the agent broke its contract, and every run would: stop
                 raise RolloutsStopped(str(err)) from None
@@ -452,20 +456,7 @@ class Trainer:
     async def publish(self, version: int) -> None:
         with self.timeline.span("sync", version=version):
             self.version = version
-            try:
-                await self.sync_weights()
-            except (EngineError, LearnerRanksFailed):
-                # The learners' side of a broadcast may fail first when an engine dies: its death,
-                # once reported, is the cause to name.
-                self._raise_if_engine_gone(await failure_within(self.engine, ENGINE_REPORT_GRACE_S))
-                raise
-
-    def _raise_if_engine_gone(self, failure: Optional[str] = None) -> None:
-        failure = failure or getattr(self.engine, "failure", None)
-        if failure:
-            raise RolloutsStopped(f"the rollout engine is gone ({failure}); the prompts it held were "
-                                  "returned to the queue and the run stopped. Its last words are in "
-                                  "logs/train.log") from None
+            await self.sync_weights()  # a dead engine is named there (weights/transports.py)
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self) -> None:

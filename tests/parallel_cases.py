@@ -186,39 +186,6 @@ def critic_case(cfg: RootConfig, full: Dict[str, torch.Tensor], trajs: List[Traj
             "values": values, "metrics": metrics, "weights": full_state(critic.module)}
 
 
-def disk_case(cfg: RootConfig, num_learner_ranks: int, directory: str) -> Dict[str, Any]:
-    """Like ``sync_case`` but through the disk fallback: learners write version 1 under
-    ``directory``, the engine rank (no process group with them needed) reads it back and loads it."""
-    import asyncio
-
-    from megatron_rl.launch.groups import init_split_parallel_state
-    from megatron_rl.weights.disk import read_weights, send_weights_to_disk
-
-    lc = cfg.learner
-    role = init_split_parallel_state(num_learner_ranks, lc.tp, lc.pp, lc.ep, seed=cfg.trainer.seed)
-    if role == "learner":
-        from megatron_rl.learner.learner import Learner
-        from megatron_rl.weights.reshard import full_state
-
-        learner = Learner(cfg, VOCAB)
-        learner.train_step(copy.deepcopy(batch()), 1.0, lr=1e-2)
-        stats = send_weights_to_disk(learner.module, cfg.model, directory, version=1, bucket_bytes=16 << 10)
-        return {"role": role, "written": None if stats is None else stats.bytes, "stage_state": full_state(learner.module)}
-    from megatron_rl.rollout.embedded import EmbeddedEngine
-
-    tensors, stats = read_weights(directory, version=1, stages=lc.pp, timeout_s=120)
-
-    async def load():
-        engine = EmbeddedEngine(cfg.model, VOCAB, seed=3)
-        await engine.pause()
-        await engine.update_weights(tensors.items(), version=1)
-        state = {k: v.clone() for k, v in engine.model.state_dict().items() if isinstance(v, torch.Tensor)}
-        await engine.shutdown()
-        return state
-
-    return {"role": role, "read": stats.bytes, "engine_state": asyncio.run(load())}
-
-
 def replica_init_case(cfg: RootConfig) -> Dict[str, torch.Tensor]:
     """Build a learner whose freshly built model differs on every rank (each rank shifts its
     weights by its rank, as a rank-dependent random draw during a real build would: on a GPU
@@ -278,3 +245,14 @@ def routed_teachers_case(cfg: RootConfig, trajs, routing) -> Dict[str, Any]:
     learner = Learner(cfg, VOCAB)
     batch = TrainBatch.of_groups([[t] for t in trajs], routing)
     return {"logprobs": teacher_logprobs(batch, lambda ts, name: learner.compute_logprobs(ts, 1.0, teacher=name))}
+
+
+def export_case(cfg: RootConfig, full: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """A learner at ``cfg``'s layout with the reference's full weights: what the one export
+    (``weights/export.py``) hands this rank, every stage's tensors under HF names."""
+    from megatron_rl.learner.learner import Learner
+    from megatron_rl.weights.reshard import load_into_learner
+
+    learner = Learner(cfg, VOCAB)
+    load_into_learner(learner, full)
+    return {name: tensor.clone() for name, tensor in learner.export_hf_weights()}

@@ -3,7 +3,7 @@ driver, with Megatron learners and embedded engines on other ranks, on CPU with 
 real entry point (``torchrun -m megatron_rl.launch``).
 
 - At η = 0 with per-request seeds, a world gives the one-process run's rewards step for step
-  (bitwise) and its losses to float noise, at TP=2, PP=2, EP=2 (MoE), and colocated.
+  (bitwise) and its losses to float noise, at TP=2, PP=2, EP=2 (MoE), and colocated (TP=2, PP=2).
 - At η = 2 it learns ``tiny_cpu`` as far as the one-process run in the same steps, and no trained
   sample's tokens (the versions the engines recorded) are older than η.
 - Killing an engine rank loses no prompt and ends the run with one line; killing the launcher
@@ -34,6 +34,8 @@ LAYOUTS = {
     "ep2_moe": (4, ("learner.ep=2", *DISAGGREGATED), "mixtral", (), 1e-5),
     "colocated_tp2_shared_prompts": (2, ("learner.tp=2", "rollout.engines=2", "rollout.placement=colocated"),
                                      "llama", ("learner.share_prompts=true",), 1e-6),
+    # Every rank gathers both pipeline stages for its own engine (stages go round as tensors).
+    "colocated_pp2": (2, ("learner.pp=2", "rollout.engines=2", "rollout.placement=colocated"), "llama", (), 1e-6),
     # PPO with a critic (GAE) and a KL charge to a reference model in the reward.
     "tp2_ppo_critic_kl": (4, ("learner.tp=2", *DISAGGREGATED), "llama",
                           ("algo.name=gae", "algo.kl_coef=0.01", "algo.kl_in_reward=true"), 1e-6),

@@ -73,6 +73,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..learner.group import LearnerGroup, serve_learner
     from ..learner.worker import LearnerWorker
     from ..stop import install_stop_handlers
+    from ..weights.transports import learner_sender
 
     install_stop_handlers()  # a stop signal to any learner rank stops the run after its step
 
@@ -81,8 +82,9 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
                               hosted.engine_pid if hosted else None, channels)
     if hosted:
         hosted.serve()
-    worker = LearnerWorker(cfg, vocab, tokenizer.pad_id, sync_groups=sync,
-                           local_engine=(hosted.engine, hosted.loop) if hosted else None)
+    local = (hosted.engine, hosted.loop) if hosted else None
+    sender = learner_sender(cfg.rollout.engine, plan.layout.placement, local if hosted else sync)
+    worker = LearnerWorker(cfg, vocab, tokenizer.pad_id, weights_sender=sender, local_engine=local)
     try:
         if rank != DRIVER:
             serve_learner(worker, control)
@@ -138,6 +140,7 @@ def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, 
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
     from ..rollout.vllm import VLLMEngine
+    from ..weights.transports import ChannelLinks, engine_receiver
 
     if member != 0:
         _all_gather_ranks("engine")
@@ -153,14 +156,8 @@ def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, 
     listener = EngineListener(host, authkey)
     everyone = _all_gather_ranks("engine", listener.address, (engine.engine_pids() or [None])[0])
     addresses = [a for _, a in sorted((stage, tuple(a)) for info in everyone for stage, a in info["channels"])]
-    first_member = 1 + engine_index * r.tp
     timeline = _RankTimeline()
-
-    async def receive(version: int) -> float:
-        with timeline.span("sync", version=version):
-            figures = await engine.receive_weights(addresses, first_member, version)
-        return figures["sync/engine_receive_s"]
-
+    receive = engine_receiver("vllm", engine, ChannelLinks(tuple(addresses), 1 + engine_index * r.tp), timeline.span)
     conn = listener.accept()
     try:
         asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
@@ -175,7 +172,7 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     from ..rollout.embedded import EmbeddedEngine, engine_options
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
-    from ..weights.sync import receive_weights
+    from ..weights.transports import engine_receiver
 
     _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).
@@ -184,20 +181,7 @@ def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: by
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address)
     timeline = _RankTimeline()
-
-    async def receive(version: int) -> float:
-        # The buckets arrive on a thread of their own while the engine keeps generating; then the
-        # version is swapped in whole.
-        with timeline.span("sync", version=version):
-            got, tensors, stats = await _in_daemon_thread(receive_weights, sync)
-        if got != version:
-            raise RuntimeError(f"asked to receive weights v{version}, the learners sent v{got}")
-        with timeline.span("swap", version=version):
-            await engine.swap_weights(tensors.items(), version)
-        logger.debug("engine %d: weights v%d, %.1f MB in %.3f s", engine_index, version, stats.bytes / 1e6,
-                     stats.seconds)
-        return stats.seconds
-
+    receive = engine_receiver("embedded", engine, sync, timeline.span)
     conn = listener.accept()
     asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
 
@@ -223,24 +207,6 @@ class _RankTimeline:
 
     def span(self, name: str, **attrs):
         return self._timeline.span(name, **attrs) if self._timeline is not None else contextlib.nullcontext()
-
-
-def _in_daemon_thread(fn, *args) -> "asyncio.Future":
-    """``fn(*args)`` on a daemon thread: one blocked in a collective with a dead rank does not
-    keep the process from exiting (an executor's threads are joined at exit)."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def target() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as err:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(lambda error=err: future.done() or future.set_exception(error))
-        else:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(result))
-
-    threading.Thread(target=target, name="weight-receiver", daemon=True).start()
-    return future
 
 
 # ---------------------------------------------------------------------------- colocated

@@ -23,8 +23,7 @@ from ..config.schema import RootConfig
 from ..errors import ConfigError
 from ..models.gpt import build_gpt_model, model_device
 from ..models.grouped_moe import stack_expert_parameters
-from ..models.hf_names import megatron_to_hf
-from ..models.lora import adapters_disabled, add_lora, dropout_disabled, export_state
+from ..models.lora import adapters_disabled, add_lora, dropout_disabled
 from ..models.pretrained import load_pretrained
 from ..models.routing import RoutingReplay, foreign_moe_layers, routing_replay_on
 from ..models.shared_prefix import rotary_at
@@ -314,13 +313,13 @@ class Learner:
         return weights_finite(self.model)
 
     def export_hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """Full tensors under Hugging Face names (single-rank layout: TP=PP=EP=1). Under LoRA the
-        adapted weights are merged (W + s·B·A in fp32, cast to the model's dtype): what engines
-        without LoRA support load."""
-        for name, tensor in export_state(self.module, merge=True):
-            if name.endswith("_extra_state"):
-                continue  # TransformerEngine/_extra_state entries carry no weights
-            yield from megatron_to_hf(name, tensor.detach(), self.cfg.model)
+        """Every full tensor of the policy under Hugging Face names, on every learner rank
+        (``weights/export.py``, the one export: gathered over TP/EP, exchanged over PP; under
+        LoRA the adapted weights merged, W + s·B·A in fp32 cast to the model's dtype, what
+        engines without LoRA support load). Collective over the learner ranks when sharded."""
+        from ..weights.export import all_hf_tensors
+
+        return all_hf_tensors(self.module, self.cfg.model)
 
     def adapter_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """This pipeline stage's LoRA adapters as full tensors (gathered over tensor parallelism)

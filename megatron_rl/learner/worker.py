@@ -39,18 +39,19 @@ PEFT_EXPORT_DIR = "peft"
 class LearnerWorker:
     """Policy learner (and critic, for PPO with GAE) of this rank.
 
-    ``local_engine``: colocated placement, this rank's engine and the event loop its client
-    lives on (weights are gathered here and loaded into it). ``sync_groups``: disaggregated
-    placement, the weight-sync groups to the engine ranks."""
+    ``weights_sender``: this rank's side of the weight transport (``weights/transports.py``:
+    broadcast to the engine ranks, or load this rank's own engine); none in one process, where
+    the driver hands the weights to its engine itself. ``local_engine``: colocated placement,
+    this rank's engine and the event loop its client lives on (put to sleep while training)."""
 
-    def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int, sync_groups=None,
+    def __init__(self, cfg: RootConfig, vocab_size: int, pad_id: int, weights_sender=None,
                  local_engine: Optional[Tuple[Any, asyncio.AbstractEventLoop]] = None):
         self.cfg = cfg
         self.learner = Learner(cfg, vocab_size, pad_id=pad_id)
         self.recipe = recipe_for(cfg.algo.name)
         # PPO with GAE: a value model with the policy's layout, starting from its weights.
         self.critic = Critic(cfg, vocab_size, pad_id, self.learner.module) if self.recipe.critic else None
-        self.sync_groups = sync_groups
+        self.weights_sender = weights_sender
         self.local_engine = local_engine
         self.timeline = None  # the other learner ranks' spans (the driver records its own)
 
@@ -105,45 +106,25 @@ class LearnerWorker:
     # ---------------------------------------------------------------- weights out
     def hf_weights(self) -> Iterator[Tuple[str, torch.Tensor]]:
         """Every full HF-named tensor, on every learner rank (collective when sharded)."""
-        if not self._sharded():
-            return self.learner.export_hf_weights()
-        from ..weights.sync import all_hf_tensors
-
-        return iter(all_hf_tensors(self.learner.module, self.cfg.model).items())
+        return self.learner.export_hf_weights()
 
     def _sharded(self) -> bool:
         return dist.is_initialized() and dist.get_world_size() > 1  # the learner ranks' world
 
     def send_weights(self, version: int) -> Optional[float]:
-        """Disaggregated: gather this version over TP/EP and broadcast it to the engine ranks
-        (each stage's source sends); returns the source's seconds (None elsewhere)."""
-        from ..weights.sync import send_weights
-
+        """This rank's side of a weight push: gather ``version`` over TP/EP (and PP where every
+        rank needs every stage) and send it on. Returns a stage source's seconds (None
+        elsewhere)."""
         with self._span("sync", version=version):
-            stats = send_weights(self.learner.module, self.cfg.model, self.sync_groups, version)
-        return stats.seconds if stats is not None else None
+            return self.weights_sender.send(self.learner, version)
 
     def logprobs(self, trajs: List[Trajectory], temperature: float) -> List[List[float]]:
         """Per-token logprobs of ``trajs`` under the current weights (every learner rank runs it)."""
         return self.learner.compute_logprobs(trajs, temperature)
 
-    def load_local_engine(self, version: int) -> None:
-        """Colocated: gather the full weights on every rank and load them into its own engine."""
-        engine, loop = self.local_engine
-
-        async def swap() -> None:
-            await engine.wake_up()
-            await engine.swap_weights(tensors, version)
-
-        with self._span("sync", version=version):
-            tensors = list(self.hf_weights())
-            asyncio.run_coroutine_threadsafe(swap(), loop).result()
-        if self._sharded():
-            dist.barrier()  # every rank's engine holds the version before the driver goes on
-
     def _sleep_local_engine(self) -> None:
         """Colocated and synchronous: the engine gives its accelerator memory back while the
-        learner trains (a no-op for the embedded engine on CPU); ``load_local_engine`` wakes it."""
+        learner trains (a no-op for the embedded engine on CPU); the weight push wakes it."""
         if self.local_engine is not None and self.cfg.scheduler.max_staleness == 0:
             engine, loop = self.local_engine
             asyncio.run_coroutine_threadsafe(engine.sleep(), loop).result()

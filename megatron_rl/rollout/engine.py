@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-from typing import AsyncIterator, Awaitable, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Awaitable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,14 +48,19 @@ class RolloutEngine(abc.ABC):
         """Continue generating after ``pause``."""
 
     @abc.abstractmethod
-    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
-        """Load Hugging Face-named full tensors as policy ``version``; only while paused."""
+    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
+                             version: int) -> Optional[Dict[str, float]]:
+        """Load Hugging Face-named full tensors as policy ``version``; only while paused. Returns
+        the engine's own figures of the transfer where it keeps them (``sync/...`` metrics)."""
 
-    async def swap_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
-        """Pause at the next step, load ``version``, resume: in-flight requests continue on it."""
+    async def swap_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
+                           version: int) -> Optional[Dict[str, float]]:
+        """Pause at the next step, load ``version``, resume: in-flight requests continue on it.
+        Returns what ``update_weights`` returned."""
         await self.pause()
-        await self.update_weights(named_tensors, version)
+        figures = await self.update_weights(named_tensors, version)
         await self.resume()
+        return figures
 
     @abc.abstractmethod
     def weight_version(self) -> int:
@@ -122,3 +127,23 @@ async def failure_within(engine: RolloutEngine, seconds: float, poll_s: float = 
         if failure or asyncio.get_running_loop().time() >= deadline:
             return failure or None
         await asyncio.sleep(poll_s)
+
+
+def raise_if_gone(engines: Sequence[RolloutEngine], failure: Optional[str] = None) -> None:
+    """Stop the run with one line when an engine is gone: ``failure`` (a death already known) or
+    the first engine's own report. The one place a dead engine is named, for rollouts and weight
+    pushes alike."""
+    from ..scheduler.controller import RolloutsStopped
+
+    failure = failure or next((f for f in (getattr(e, "failure", None) for e in engines) if f), None)
+    if failure:
+        raise RolloutsStopped(f"the rollout engine is gone ({failure}); the prompts it held were "
+                              "returned to the queue and the run stopped. Its last words are in "
+                              "logs/train.log") from None
+
+
+async def raise_if_gone_within(engines: Sequence[RolloutEngine], seconds: float) -> None:
+    """``raise_if_gone`` once any engine reports its death within ``seconds`` (nothing if none
+    does): a transfer's sending side can fail before the engine's rank has noticed its death."""
+    failures = await asyncio.gather(*(failure_within(e, seconds) for e in engines))
+    raise_if_gone(engines, next((f for f in failures if f), None))

@@ -91,13 +91,15 @@ class EnginePool(RolloutEngine):
     async def resume(self) -> None:
         await self._all(lambda e: e.resume())
 
-    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
+                             version: int) -> Optional[Dict[str, float]]:
         tensors = list(named_tensors)  # every engine reads them
-        await self._all(lambda e: e.update_weights(tensors, version))
+        return _slowest(await self._all(lambda e: e.update_weights(tensors, version)))
 
-    async def swap_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+    async def swap_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]],
+                           version: int) -> Optional[Dict[str, float]]:
         tensors = list(named_tensors)
-        await self._all(lambda e: e.swap_weights(tensors, version))
+        return _slowest(await self._all(lambda e: e.swap_weights(tensors, version)))
 
     def weight_version(self) -> int:
         return min(e.weight_version() for e in self.engines)
@@ -142,3 +144,12 @@ class EnginePool(RolloutEngine):
             for f in dataclasses.fields(total):
                 setattr(total, f.name, getattr(total, f.name) + getattr(engine.stats, f.name))
         return total
+
+
+def _slowest(figures: List[Optional[Dict[str, float]]]) -> Optional[Dict[str, float]]:
+    """The engines' transfer figures as one: each the largest over the engines (the slowest
+    engine's seconds; bytes are the same for all)."""
+    known = [f for f in figures if f]
+    if not known:
+        return None
+    return {key: max(f[key] for f in known if key in f) for key in {k for f in known for k in f}}

@@ -13,29 +13,28 @@ version that sampled it, as with full weights.
 
 from __future__ import annotations
 
-import time
-from typing import Dict
-
 from .adapters import base_hf_tensors
+from .transports import InProcessTransport, SyncMetrics
 
 
-class AdapterTransport:
+class AdapterTransport(InProcessTransport):
     """One process, LoRA, an engine that applies the adapters: the base once, then the adapters.
     ``sync/bytes`` is what one push handed to the engine, ``sync/adapter_only`` 1 after the first."""
 
-    def __init__(self, engine, worker):
-        self.engine, self.worker = engine, worker
+    name = "in_process_adapters"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._base_sent = False
 
-    async def push(self, version: int) -> Dict[str, float]:
-        start = time.perf_counter()
+    async def _move(self, version: int) -> SyncMetrics:
+        engine, = self.engines
         learner = self.worker.learner
         tensors = dict(learner.adapter_tensors())  # copies: the learner may train on while they load
         if not self._base_sent:
             tensors.update(base_hf_tensors(learner.module, self.worker.cfg.model))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         adapter_only = self._base_sent
-        await self.engine.swap_weights(tensors.items(), version)
+        figures = await engine.swap_weights(tensors.items(), version) or {}
         self._base_sent = True
-        return {"sync/seconds": time.perf_counter() - start, "sync/bytes": float(nbytes),
-                "sync/adapter_only": float(adapter_only)}
+        return SyncMetrics(0.0, engine={**figures, "sync/bytes": float(nbytes), "sync/adapter_only": float(adapter_only)})

@@ -29,6 +29,25 @@ class Link(Protocol):
     def broadcast_tensor(self, tensor: torch.Tensor) -> None: ...
 
 
+class WorldLink:
+    """A link over a group of the torchrun world, rooted at global rank ``src``."""
+
+    def __init__(self, group: Any, src: int):
+        self.group, self.src = group, src
+
+    def broadcast_object(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(tensor, src=self.src, group=self.group)
+
+
 @dataclass
 class SyncStats:
     version: int

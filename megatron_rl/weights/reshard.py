@@ -92,11 +92,12 @@ def _weights(module: torch.nn.Module, merged: bool = False, adapters_only: bool 
 
 @torch.no_grad()
 def full_tensors(module: torch.nn.Module, merged: bool = False, adapters_only: bool = False,
-                 ) -> Iterator[Tuple[str, torch.Tensor]]:
+                 copy: bool = True) -> Iterator[Tuple[str, torch.Tensor]]:
     """This pipeline stage's tensors, gathered over the TP group, under global Megatron names.
     ``merged``: under LoRA, each adapted weight merged with its adapter and the adapters left out
     (what engines load); ``adapters_only``: the LoRA adapters alone. Neither: every tensor as
-    stored (the inverse of ``load_full_tensors``).
+    stored (the inverse of ``load_full_tensors``). ``copy`` False: a tensor this rank holds whole
+    is yielded as is, not cloned (for a consumer that sends or copies it before the next update).
 
     Collective over the tensor-parallel group: every TP rank of the stage must iterate it to the
     end in step (each yields the same full tensors)."""
@@ -104,10 +105,10 @@ def full_tensors(module: torch.nn.Module, merged: bool = False, adapters_only: b
     ep, ep_rank, n_local = _expert_split(module)
     for name, tensor, dim in _weights(module, merged, adapters_only):
         expert = _EXPERT.match(name)
-        tp, tp_rank, group = _tp_of(bool(expert))
+        tp, tp_rank, group = _tp_of(bool(expert)) if dim is not None else (1, 0, None)
         local = tensor.detach()
         if dim is None or tp == 1:
-            full = local.clone()
+            full = local.clone() if copy else local
         else:
             shards = [torch.empty_like(local) for _ in range(tp)]
             dist.all_gather(shards, local.contiguous(), group=group)

@@ -4,9 +4,10 @@ ranks: bucketed broadcasts, one weight-sync link per pipeline stage.
 A stage's link joins its source rank (TP rank 0, DP rank 0 of the stage) to the receivers: the
 engine ranks of the torchrun world over a group of the world (``build_sync_groups``), or vLLM's
 worker processes over a channel of their own (``build_channel_groups``, ``channel.py``). The wire
-format is ``buckets.py``'s. Every learner rank takes part in gathering the full tensors
-(all-gathers over the TP group, and over the EP group for routed experts; other data-parallel
-replicas repeat the gathers in their own groups, which costs time but no traffic to the engines).
+format is ``buckets.py``'s, the tensors ``export.py``'s. Every learner rank takes part in
+gathering the full tensors (all-gathers over the TP group, and over the EP group for routed
+experts; other data-parallel replicas repeat the gathers in their own groups, which costs time
+but no traffic to the engines).
 Stages gather in parallel; engines receive them one after another.
 """
 
@@ -14,35 +15,19 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from ..config.schema import ModelConfig
-from ..models.hf_names import megatron_to_hf
-from .buckets import DEFAULT_BUCKET_BYTES, Link, SyncStats, receive_all, send_stage
-from .reshard import full_tensors
+from .buckets import DEFAULT_BUCKET_BYTES, Link, SyncStats, WorldLink, receive_all, send_stage
+from .export import stage_hf_tensors
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "SyncTopology", "SyncGroups", "build_sync_groups",
-           "build_channel_groups", "send_weights", "receive_weights", "all_hf_tensors", "sync_topology"]
-
-
-class WorldLink:
-    """A weight-sync link over a group of the torchrun world, rooted at global rank ``src``."""
-
-    def __init__(self, group: dist.ProcessGroup, src: int):
-        self.group, self.src = group, src
-
-    def broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
-
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
-        dist.broadcast(tensor, src=self.src, group=self.group)
+           "build_channel_groups", "send_weights", "receive_weights", "sync_topology"]
 
 
 @dataclass(frozen=True)
@@ -102,27 +87,6 @@ def _device() -> Optional[torch.device]:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
-def _hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
-    # LoRA adapters merged into their weights: engines load plain HF tensors.
-    for name, full in full_tensors(module, merged=True):
-        yield from megatron_to_hf(name, full, model_cfg)
-
-
-def all_hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Dict[str, torch.Tensor]:
-    """Every full HF-named tensor of the model on every learner rank (colocated engines load from
-    their own rank): TP/EP-gathered per stage, then exchanged over the pipeline group. Collective
-    over the learner ranks. Objects over the pipeline group are pickled: fine on CPU; on GPU,
-    colocated engines should take CUDA IPC handles instead (not implemented)."""
-    from megatron.core import parallel_state as ps
-
-    own = dict(_hf_tensors(module, model_cfg))
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return own
-    stages: List[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, {k: v.cpu() for k, v in own.items()}, group=ps.get_pipeline_model_parallel_group())
-    return {k: v for stage in stages for k, v in stage.items()}
-
-
 def send_weights(module: torch.nn.Module, model_cfg: ModelConfig, groups: SyncGroups, version: int,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[SyncStats]:
     """Learner side; every learner rank calls it. Returns the stage source's statistics (None on
@@ -134,7 +98,7 @@ def send_weights(module: torch.nn.Module, model_cfg: ModelConfig, groups: SyncGr
     stage = ps.get_pipeline_model_parallel_rank()
     is_source = dist.get_rank() == groups.topology.sources[stage]
     link = groups.links[stage] if is_source else None
-    return send_stage(link, _hf_tensors(module, model_cfg), version, bucket_bytes)
+    return send_stage(link, stage_hf_tensors(module, model_cfg), version, bucket_bytes)
 
 
 def receive_weights(groups: SyncGroups) -> Tuple[int, Dict[str, torch.Tensor], SyncStats]:

@@ -10,9 +10,9 @@ held when they arrived (pause() returns only after the step in flight has been d
 Weights reach vLLM's workers by ``weight_transport``: ``broadcast`` (default) sends them in buckets
 over a weight channel the workers join (``weights/channel.py``: gloo on CPUs, NCCL on GPUs; no
 file), from this process (``update_weights``) or from a learner rank of a torchrun world
-(``receive_weights``, which receives while the engine keeps generating and then swaps the
-version in whole); ``file`` writes one safetensors file to memory-backed scratch space and
-reloads it (the fallback).
+(``receive_weights`` while the engine keeps generating, then ``apply_received`` swaps the
+version in whole; ``weights/transports.py`` drives the two); ``file`` writes one safetensors
+file to memory-backed scratch space and reloads it (the fallback).
 
 A dead engine core (killed, crashed), or a hung one (a health probe unanswered for
 ``health_timeout_s``), fails every request in flight and every later call with an
@@ -105,7 +105,6 @@ class VLLMEngine(RolloutEngine):
         self.tp = tp
         self.weight_transport, self.weight_timeout_s = weight_transport, weight_timeout_s
         self._channel_host = None  # this process as the weight source (broadcast in one process)
-        self.last_sync: Dict[str, float] = {}  # figures of the last weight transfer
 
     # ------------------------------------------------------------------ API
     @property
@@ -200,7 +199,9 @@ class VLLMEngine(RolloutEngine):
         if self._vllm.cpu and self.model_cfg.num_experts > 0:
             raise EngineError(MOE_RELOAD_ON_CPU)
 
-    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> None:
+    async def update_weights(self, named_tensors: Iterable[Tuple[str, torch.Tensor]], version: int) -> Dict[str, float]:
+        """Load ``version`` from this process (by file or over this engine's own weight
+        channel); returns the seconds and bytes of the transfer."""
         if not self._paused:
             raise EngineError("update_weights needs a paused engine: call pause() first")
         self._check_alive()
@@ -211,8 +212,7 @@ class VLLMEngine(RolloutEngine):
         else:
             nbytes = await self._load_through_channel(named_tensors, version)
         await self._set_version(version)
-        seconds = time.perf_counter() - start
-        self.last_sync = {"sync/engine_seconds": seconds, "sync/bytes": float(nbytes)}
+        return {"sync/engine_seconds": time.perf_counter() - start, "sync/bytes": float(nbytes)}
 
     async def _load_through_file(self, named_tensors) -> int:
         fd, path = tempfile.mkstemp(prefix="megatron_rl_weights_", suffix=".safetensors", dir=_scratch_dir())
@@ -242,28 +242,30 @@ class VLLMEngine(RolloutEngine):
         await self._call(self._vllm.apply_received)
         return stats.bytes
 
-    async def receive_weights(self, addresses: Sequence[Tuple], first_member: int, version: int) -> Dict[str, float]:
+    async def receive_weights(self, addresses: Sequence[Tuple], first_member: int) -> Dict[str, float]:
         """A learner rank of the world is the source: the workers join the channels at
         ``addresses`` (one per pipeline stage) as members ``first_member ..`` and receive while
-        the engine keeps generating; then the version is swapped in whole (pause(keep), load,
-        resume)."""
+        the engine keeps generating. Returns the version the learners sent (``version``), its
+        ``sync/bytes`` and ``sync/engine_receive_s``; ``apply_received`` swaps it in
+        (``weights/transports.py`` checks the version between the two)."""
         self._check_alive()
         self._check_reloadable()
         start = time.perf_counter()
         await self._call(self._vllm.receive_start, [tuple(a) for a in addresses], first_member, self.weight_timeout_s)
         status = await self._until_received()
-        if status["version"] != version:
-            raise EngineError(f"asked to receive weights v{version}, the learners sent v{status['version']}")
-        received = time.perf_counter()
+        return {"version": float(status["version"]), "sync/bytes": float(status["bytes"]),
+                "sync/engine_receive_s": time.perf_counter() - start}
+
+    async def apply_received(self, version: int) -> Dict[str, float]:
+        """Swap the received weights in whole as ``version``: pause(keep), load, resume."""
+        start = time.perf_counter()
         await self.pause("keep")
         try:
             await self._call(self._vllm.apply_received)
             await self._set_version(version)
         finally:
             await self.resume()
-        self.last_sync = {"sync/engine_receive_s": received - start, "sync/engine_swap_s": time.perf_counter() - received,
-                          "sync/bytes": float(status["bytes"])}
-        return self.last_sync
+        return {"sync/engine_swap_s": time.perf_counter() - start}
 
     async def _until_received(self) -> dict:
         """Poll the workers (a cheap call between engine steps) until every bucket is in."""

@@ -1,0 +1,110 @@
+"""The weight transports (``weights/transports.py``): the registry picks one per engine kind and
+placement and refuses an unknown combination with one line; a dead engine, a push that takes
+too long and a receiver handed another version are each named in one place."""
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import megatron_rl
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.engine import EngineError
+from megatron_rl.weights.transports import (TRANSPORTS, BroadcastSender, ChannelReceiver, LocalEngineSender,
+                                            WorldReceiver, check_version, transport_for)
+
+
+@pytest.mark.parametrize("kind, placement, name, sender, receiver", [
+    ("embedded", "one_process", "in_process", None, None),
+    ("vllm", "one_process", "in_process", None, None),
+    ("embedded", "colocated", "colocated", LocalEngineSender, None),
+    ("vllm", "colocated", "colocated", LocalEngineSender, None),
+    ("embedded", "disaggregated", "world_broadcast", BroadcastSender, WorldReceiver),
+    ("vllm", "disaggregated", "vllm_channel", BroadcastSender, ChannelReceiver),
+])
+def test_each_engine_kind_and_placement_has_its_transport(kind, placement, name, sender, receiver):
+    entry = transport_for(kind, placement)
+    assert (entry.name, entry.sender, entry.receiver) == (name, sender, receiver)
+
+
+def test_the_registry_holds_no_combination_the_test_above_does_not_name():
+    assert len(TRANSPORTS) == 6
+
+
+@pytest.mark.parametrize("kind, placement", [("sglang", "disaggregated"), ("embedded", "elsewhere")])
+def test_an_unknown_combination_is_refused_with_one_line_naming_it(kind, placement):
+    with pytest.raises(ConfigError) as err:
+        transport_for(kind, placement)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"rollout.engine={kind}" in message and f"the {placement} placement" in message
+    assert "embedded disaggregated" in message  # what exists
+
+
+def test_a_receiver_handed_another_version_fails_naming_both():
+    check_version(3, 3.0)  # vLLM's status carries the version as a float
+    with pytest.raises(EngineError, match=r"asked to receive weights v4, the learners sent v3"):
+        check_version(4, 3)
+
+
+def test_the_messages_of_a_dead_engine_and_a_wrong_version_are_written_once():
+    package = Path(megatron_rl.__file__).parent
+    for phrase in ("the rollout engine is gone", "asked to receive weights v"):
+        holders = [p.relative_to(package).as_posix() for p in package.rglob("*.py") if phrase in p.read_text()]
+        assert len(holders) == 1, (phrase, holders)
+
+
+def _engine_process():
+    from megatron_rl.config.schema import RootConfig
+    from megatron_rl.rollout.embedded import EngineProcess
+
+    cfg = RootConfig()
+    cfg.model.hidden_size, cfg.model.ffn_hidden_size = 64, 128
+    cfg.model.num_attention_heads, cfg.model.num_query_groups, cfg.model.num_layers = 4, 2, 2
+    return cfg, EngineProcess(cfg.model, 48, seed=3)
+
+
+def test_a_push_to_a_dead_engine_stops_the_run_naming_it(megatron_world):
+    from megatron_rl.learner.worker import LearnerWorker
+    from megatron_rl.scheduler.controller import RolloutsStopped
+
+    cfg, engine = _engine_process()
+    worker = LearnerWorker(cfg, 48, 0)
+    push = transport_for("embedded", "one_process").transport([engine], None, 60.0, worker=worker).push
+
+    async def run():
+        metrics = await push(1)  # a live engine takes the version
+        assert engine.weight_version() == 1 and metrics.as_dict()["sync/seconds"] > 0
+        os.kill(engine.pid, signal.SIGKILL)
+        for _ in range(200):
+            if engine.failure:
+                break
+            await asyncio.sleep(0.05)
+        try:
+            await push(2)
+        finally:
+            await engine.shutdown()
+
+    with pytest.raises(RolloutsStopped, match=r"^the rollout engine is gone \(.*exited"):
+        asyncio.run(asyncio.wait_for(run(), 120))
+
+
+def test_a_push_longer_than_the_timeout_fails_naming_the_key(megatron_world):
+    from megatron_rl.learner.worker import LearnerWorker
+
+    cfg, engine = _engine_process()
+    worker = LearnerWorker(cfg, 48, 0)
+    transport = transport_for("embedded", "one_process").transport([engine], None, 1e-3, worker=worker,
+                                                                   report_grace_s=0.1)
+
+    async def run():
+        try:
+            await transport.push(1)
+        finally:
+            await engine.shutdown()
+
+    with pytest.raises(EngineError, match=r"weights v1 did not reach the engines within 0.001 s "
+                                          r"\(rollout.weight_timeout_s\)"):
+        asyncio.run(asyncio.wait_for(run(), 120))
