@@ -47,13 +47,13 @@ def test_engine_applies_adapters_unmerged_through_adapter_only_syncs(megatron_wo
 
     async def run():
         engine = EmbeddedEngine(cfg.model, VOCAB, seed=3, lora=cfg.lora)
-        transport = AdapterTransport(engine, worker)
+        transport = AdapterTransport([engine], None, 60.0, worker=worker)
         rounds = []
         for version in range(4):
             if version:  # two steps: the first moves B only (A's gradient is zero while B is)
                 for _ in range(2):
                     learner.train_step(copy.deepcopy(batch()), 1.0, lr=3e-2)
-            metrics = await transport.push(version)
+            metrics = (await transport.push(version)).as_dict()
             trajs = await generate_all(engine, prompts, params, tag=f"v{version}-")
             rounds.append((metrics, trajs, _gap(learner, trajs)))
             with adapters_disabled(learner.module):
@@ -85,7 +85,7 @@ def test_adapters_to_an_engine_without_lora_are_refused(megatron_world):
     async def run():
         engine = EmbeddedEngine(cfg.model, VOCAB, seed=3)
         try:
-            await AdapterTransport(engine, worker).push(0)
+            await AdapterTransport([engine], None, 60.0, worker=worker).push(0)
         finally:
             await engine.shutdown()
 
@@ -100,7 +100,7 @@ def test_lora_run_syncs_adapters_only(megatron_world, tmp_path, separate_process
     the engine's behaviour logprobs are the learner's and the sync probe agrees. lora.sync=merged
     sends the merged weights every step instead (InProcessTransport)."""
     from megatron_rl.trainer import Trainer
-    from megatron_rl.weights.transport import InProcessTransport
+    from megatron_rl.weights.transports import InProcessTransport
 
     cfg = load_config("tiny_cpu", [
         f"trainer.run_dir={tmp_path}", "trainer.total_steps=3", "trainer.progress=false",

@@ -89,10 +89,10 @@ def main(argv: List[str] | None = None) -> None:
         options = engine_options(cfg)
         unmerged = EmbeddedEngine(cfg.model, args.vocab, cfg.rollout.max_batch_size, seed=3, lora=cfg.lora, **options)
         merged = EmbeddedEngine(cfg.model, args.vocab, cfg.rollout.max_batch_size, seed=3, **options)
-        transport, rows = AdapterTransport(unmerged, worker), {}
+        transport, rows = AdapterTransport([unmerged], None, 600.0, worker=worker), {}
         for version in range(args.pushes + 1):
             synced()
-            metrics = await transport.push(version)
+            metrics = (await transport.push(version)).as_dict()
             synced()
             rows.setdefault("base + adapters" if version == 0 else "adapters alone", []).append(
                 (metrics["sync/bytes"], metrics["sync/seconds"]))
