@@ -12,6 +12,7 @@ in float32 only when that loses nothing).
 
 from __future__ import annotations
 
+import operator
 import pickle
 import struct
 from dataclasses import dataclass, replace
@@ -26,13 +27,7 @@ _ID_FIELDS = ("prompt_ids", "response_ids")
 _RESPONSE_FIELDS = ("logprobs", "versions", "loss_mask")
 _SCALARS = ("prompt_uid", "sample_index", "finish_reason", "reward", "reward_info", "advantage_scale", "agent_run")
 _HEADER = struct.Struct("<Q")  # the header's length, then the header, then the arrays
-
-
-def _flat(rows: Sequence[Sequence[Any]], dtype: np.dtype) -> np.ndarray:
-    """Every row's values end to end (numpy rows are copied once, lists converted)."""
-    if not rows:
-        return np.zeros(0, dtype=dtype)
-    return np.concatenate([np.asarray(r, dtype=dtype).reshape(-1) for r in rows])
+_scalars_of = operator.attrgetter(*_SCALARS)
 
 
 def _logprob_dtype(values: np.ndarray) -> np.dtype:
@@ -115,31 +110,58 @@ class TrajectoryBuffers:
 
 
 def pack(trajs: Sequence[Trajectory]) -> TrajectoryBuffers:
-    """The flat buffers of ``trajs`` (see the module's docstring)."""
-    lengths: Dict[str, np.ndarray] = {}
-    arrays: Dict[str, np.ndarray] = {}
-    for name in _ID_FIELDS:
-        rows = [getattr(t, name) for t in trajs]
-        lengths[name] = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        arrays[name] = _flat(rows, np.int32)
-    logprobs = _flat([t.logprobs for t in trajs], np.float64)
-    arrays["logprobs"] = logprobs.astype(_logprob_dtype(logprobs), copy=False)
-    arrays["versions"] = _flat([t.versions for t in trajs], np.int32)
-    arrays["loss_mask"] = _flat([t.loss_mask for t in trajs], np.uint8)
+    """The flat buffers of ``trajs`` (see the module's docstring), views into ``pack_bytes``'s."""
+    return TrajectoryBuffers.from_bytes(pack_bytes(trajs))
+
+
+def pack_bytes(trajs: Sequence[Trajectory]) -> np.ndarray:
+    """``pack(trajs).to_bytes()`` with one copy of each token: every field is concatenated
+    straight into its place in the one buffer."""
+    rows: Dict[str, List[Any]] = {name: [getattr(t, name) for t in trajs] for name in _ID_FIELDS + _RESPONSE_FIELDS}
+    lengths = {name: np.fromiter(map(len, rows[name]), dtype=np.int64, count=len(trajs))
+               for name in _ID_FIELDS}
     for name in _RESPONSE_FIELDS:
         lengths[name] = lengths["response_ids"]
-    recorded = [t.routed_experts is not None for t in trajs]
+    dtypes = {"prompt_ids": np.dtype(np.int32), "response_ids": np.dtype(np.int32),
+              "logprobs": _logprobs_dtype(rows["logprobs"]), "versions": np.dtype(np.int32),
+              "loss_mask": np.dtype(np.uint8)}
+    recorded = tuple(t.routed_experts is not None for t in trajs)
     experts_shape: Tuple[int, ...] = ()
     if any(recorded):
         first = np.asarray(next(t.routed_experts for t in trajs if t.routed_experts is not None))
         experts_shape = tuple(first.shape[1:])
-        rows = [np.asarray(t.routed_experts).reshape((-1,) + experts_shape) if t.routed_experts is not None
-                else np.zeros((0,) + experts_shape, dtype=first.dtype) for t in trajs]
-        lengths["routed_experts"] = np.array([r.shape[0] for r in rows], dtype=np.int64)
-        arrays["routed_experts"] = np.concatenate(rows).reshape(-1) if rows else np.zeros(0, dtype=first.dtype)
-        lengths["routed_experts"] = lengths["routed_experts"] * int(np.prod(experts_shape))
-    scalars = [tuple(getattr(t, name) for name in _SCALARS) for t in trajs]
-    return TrajectoryBuffers(lengths, arrays, scalars, experts_shape, tuple(recorded))
+        per_position = int(np.prod(experts_shape))
+        rows["routed_experts"] = [np.asarray(t.routed_experts).reshape(-1) if t.routed_experts is not None
+                                  else np.zeros(0, dtype=first.dtype) for t in trajs]
+        lengths["routed_experts"] = np.fromiter(map(len, rows["routed_experts"]), dtype=np.int64, count=len(trajs))
+        assert not (lengths["routed_experts"] % max(per_position, 1)).any()
+        dtypes["routed_experts"] = first.dtype
+    names = list(dtypes)
+    shapes = {name: (int(lengths[name].sum()),) for name in names}
+    header = pickle.dumps({
+        "lengths": lengths, "scalars": list(map(_scalars_of, trajs)), "experts_shape": experts_shape,
+        "has_experts": recorded, "arrays": [(name, dtypes[name].str, shapes[name]) for name in names],
+    }, protocol=pickle.HIGHEST_PROTOCOL)
+    sizes = [shapes[name][0] * dtypes[name].itemsize for name in names]
+    out = np.empty(_HEADER.size + len(header) + sum(sizes), dtype=np.uint8)
+    out[: _HEADER.size] = np.frombuffer(_HEADER.pack(len(header)), dtype=np.uint8)
+    at = _HEADER.size + len(header)
+    out[_HEADER.size: at] = np.frombuffer(header, dtype=np.uint8)
+    for name, size in zip(names, sizes):
+        target = out[at: at + size].view(dtypes[name])
+        if rows[name] and size:
+            np.concatenate(rows[name], out=target, casting="unsafe")  # lists are converted on the way
+        at += size
+    return out
+
+
+def _logprobs_dtype(rows: Sequence[Any]) -> np.dtype:
+    """float32 when every row's logprobs are float32 values (engines' arrays are; lists are
+    checked), else float64: the wire never rounds a number it carries."""
+    if all(isinstance(r, np.ndarray) and r.dtype == np.float32 for r in rows):
+        return np.dtype(np.float32)
+    values = np.concatenate(rows, dtype=np.float64) if rows else np.zeros(0)
+    return _logprob_dtype(values)
 
 
 def unpack(buffers: TrajectoryBuffers) -> List[Trajectory]:

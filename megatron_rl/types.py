@@ -86,7 +86,7 @@ class Trajectory:
     def __post_init__(self) -> None:
         if len(self.loss_mask) == 0:
             ids = self.response_ids
-            self.loss_mask = [1] * len(ids) if isinstance(ids, list) else np.ones(len(ids), dtype=np.uint8)
+            object.__setattr__(self, "loss_mask", [1] * len(ids) if isinstance(ids, list) else _ones(len(ids)))
         n = len(self.response_ids)
         if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
             raise ValueError(
@@ -96,15 +96,11 @@ class Trajectory:
             )
 
     def freeze(self) -> "Trajectory":
-        """Refuse any later change of this trajectory (returns it)."""
-        object.__setattr__(self, "_frozen", True)
+        """Refuse any later change of this trajectory (returns it). Its class becomes
+        ``FrozenTrajectory``: an unfrozen trajectory pays nothing per attribute it sets."""
+        if type(self) is Trajectory:
+            self.__class__ = FrozenTrajectory
         return self
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if self.__dict__.get("_frozen"):
-            raise AttributeError(f"trajectory {self.prompt_uid}/{self.sample_index} is frozen after scoring; "
-                                 f"{name} belongs in the learner's TrainBatch (learner/train_batch.py)")
-        super().__setattr__(name, value)
 
     @property
     def oldest_version(self) -> int:
@@ -118,3 +114,26 @@ class Trajectory:
         if all(isinstance(getattr(self, name), list) for name in names):
             return self
         return replace(self, **{name: token_list(getattr(self, name)) for name in names})
+
+
+class FrozenTrajectory(Trajectory):
+    """A trajectory after scoring: none of its attributes changes (``dataclasses.replace`` makes a
+    new, frozen one). What the learner derives belongs in its TrainBatch."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self.__dict__:  # set already: a change (a replace's __init__ sets each once)
+            raise AttributeError(f"trajectory {self.prompt_uid}/{self.sample_index} is frozen after scoring; "
+                                 f"{name} belongs in the learner's TrainBatch (learner/train_batch.py)")
+        super().__setattr__(name, value)
+
+
+_ONES = np.ones(0, dtype=np.uint8)
+
+
+def _ones(n: int) -> np.ndarray:
+    """A read-only loss mask of ``n`` ones, a view of one shared buffer (no allocation per row)."""
+    global _ONES
+    if _ONES.size < n:
+        _ONES = np.ones(max(n, 2 * _ONES.size), dtype=np.uint8)
+        _ONES.flags.writeable = False
+    return _ONES[:n]

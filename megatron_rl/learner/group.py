@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..trajectory_buffers import TrajectoryBuffers, pack
+from ..trajectory_buffers import TrajectoryBuffers, pack_bytes
 from ..types import Trajectory
 from .shares import BatchIndex, index_groups
 
@@ -72,7 +72,7 @@ class LearnerGroup:
         dp = replicas[DRIVER][1]
         mini_batches = self.worker.cfg.learner.mini_batches
         shares = [index.share(mini_batches, dp, r) for r in range(dp)]
-        payloads = [pack([trajs[i] for i in share.rows]).to_bytes() for share in shares]
+        payloads = [pack_bytes([trajs[i] for i in share.rows]) for share in shares]
         sizes = {rank: int(payloads[replica].size) for rank, (replica, _) in replicas.items()}
         try:
             dist.broadcast_object_list([(_SHARES, ("train_share", index, sizes, (version, lr)))], src=DRIVER,
