@@ -147,7 +147,7 @@ def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_ch
             text = f"<|im_start|>user\n{prompt.question}<|im_end|>\n<|im_start|>assistant\n"
             assert prompt.text == text
             ids = backend.encode(text, add_special_tokens=False).ids
-            assert all(t.prompt_ids == ids for t in group)
+            assert all(list(t.prompt_ids) == ids for t in group)
             assert ids[0] == backend.token_to_id("<|im_start|>")
     assert _json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"] in trainer.tokenizer.chat_template.source
 

@@ -23,6 +23,8 @@ from megatron_rl.weights.transports import (TRANSPORTS, BroadcastSender, Channel
     ("vllm", "colocated", "colocated", LocalEngineSender, None),
     ("embedded", "disaggregated", "world_broadcast", BroadcastSender, WorldReceiver),
     ("vllm", "disaggregated", "vllm_channel", BroadcastSender, ChannelReceiver),
+    ("a_plugin_engine", "one_process", "in_process", None, None),
+    ("a_plugin_engine", "colocated", "colocated", LocalEngineSender, None),
 ])
 def test_each_engine_kind_and_placement_has_its_transport(kind, placement, name, sender, receiver):
     entry = transport_for(kind, placement)
@@ -30,7 +32,7 @@ def test_each_engine_kind_and_placement_has_its_transport(kind, placement, name,
 
 
 def test_the_registry_holds_no_combination_the_test_above_does_not_name():
-    assert len(TRANSPORTS) == 6
+    assert len(TRANSPORTS) == 8  # the six above and any other engine in one process or colocated
 
 
 @pytest.mark.parametrize("kind, placement", [("sglang", "disaggregated"), ("embedded", "elsewhere")])

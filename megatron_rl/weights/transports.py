@@ -265,6 +265,7 @@ class TransportEntry:
 
 
 PLACEMENTS = ("one_process", "colocated", "disaggregated")
+ANY_ENGINE = "*"
 
 TRANSPORTS: Dict[Tuple[str, str], TransportEntry] = {
     ("embedded", "one_process"): TransportEntry(InProcessTransport),
@@ -273,15 +274,19 @@ TRANSPORTS: Dict[Tuple[str, str], TransportEntry] = {
     ("vllm", "colocated"): TransportEntry(ColocatedTransport, LocalEngineSender),
     ("embedded", "disaggregated"): TransportEntry(BroadcastTransport, BroadcastSender, WorldReceiver),
     ("vllm", "disaggregated"): TransportEntry(ChannelTransport, BroadcastSender, ChannelReceiver),
+    # Any other registered engine: where it is handed whole tensors (its swap_weights, which the
+    # RolloutEngine interface declares), it takes them like the embedded engine.
+    (ANY_ENGINE, "one_process"): TransportEntry(InProcessTransport),
+    (ANY_ENGINE, "colocated"): TransportEntry(ColocatedTransport, LocalEngineSender),
 }
 
 
 def transport_for(engine_kind: str, placement: str) -> TransportEntry:
     """The transport of ``engine_kind`` in ``placement``; a combination without one is a
     ConfigError naming both and what exists."""
-    entry = TRANSPORTS.get((engine_kind, placement))
+    entry = TRANSPORTS.get((engine_kind, placement)) or TRANSPORTS.get((ANY_ENGINE, placement))
     if entry is None:
-        known = ", ".join(f"{kind} {where}" for kind, where in sorted(TRANSPORTS))
+        known = ", ".join(f"{kind} {where}" for kind, where in sorted(TRANSPORTS) if kind != ANY_ENGINE)
         raise ConfigError(f"no weight transport takes a rollout.engine={engine_kind} engine in the {placement} "
                           f"placement (there are transports for: {known}); register one in "
                           "megatron_rl/weights/transports.py TRANSPORTS or choose another engine or placement")
