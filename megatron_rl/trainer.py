@@ -326,7 +326,7 @@ class Trainer:
     async def probe_engines(self, new_tokens: int = 8) -> float:
         """Every engine samples a fixed probe with the version just pushed; the learner scores the
         same tokens. Returns the largest |engine - learner| logprob gap over all engines."""
-        engines = self._remote_engines or getattr(self.engine, "engines", None) or [self.engine]
+        engines = self.engine.engines
         prompt = [1 + i % (self.worker.vocab_size - 1) for i in range(8)]
         params = SamplingParams(self.cfg.rollout.temperature, max_new_tokens=new_tokens, stream=False,
                                 seed=self.cfg.trainer.seed)
@@ -432,7 +432,7 @@ class Trainer:
         if aborted:
             raise GroupFailed(f"{aborted} of {g} samples aborted")
         trajs = list(trajs)
-        if not getattr(self.workflow, "sets_rewards", False):  # agents return their runs' rewards
+        if not self.workflow.sets_rewards:  # agents return their runs' rewards
             with self.timeline.span("reward", group=ticket.index):
                 try:
                     await self.score([p], [trajs])
@@ -458,7 +458,7 @@ class Trainer:
                 raise
 
     def _raise_if_engine_gone(self, failure: Optional[str] = None) -> None:
-        failure = failure or getattr(self.engine, "failure", None)
+        failure = failure or self.engine.failure
         if failure:
             raise RolloutsStopped(f"the rollout engine is gone ({failure}); the prompts it held were "
                                   "returned to the queue and the run stopped. Its last words are in "
@@ -559,9 +559,7 @@ class Trainer:
         try:
             return await self._train()
         finally:
-            close = getattr(self.workflow, "close", None)  # an agent's chat server, on this event loop
-            if close is not None:
-                await close()
+            await self.workflow.close()  # an agent's chat server, on this event loop
 
     async def _train(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
