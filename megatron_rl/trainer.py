@@ -38,7 +38,7 @@ from .rewards import RewardRunner, score_groups
 from .rewards.runner import RewardFailing
 from .rewards.user import build_reward
 from .rollout.device import resolve_engine_device
-from .rollout.build import ENGINES
+from .rollout.build import engine_entry
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.agent import AgentError, agent_metrics, runs
 from .learner.recipes import recipe_for
@@ -100,7 +100,7 @@ def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]
         return cfg.trainer.cpu_threads or None, engine
     if not overlap:
         return cores, engine
-    own_process = cfg.rollout.separate_process or cfg.rollout.engine == "vllm"  # vLLM's core always is
+    own_process = cfg.rollout.separate_process or engine_entry(cfg).own_process  # vLLM's core always is
     return (cores - cores // 2 if own_process else engine), engine
 
 
@@ -117,7 +117,7 @@ def engine_gpu(cfg: RootConfig) -> Optional[int]:
 def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
                  engine_threads: int, device_index: Optional[int] = None) -> RolloutEngine:
     """The engine that ``rollout.engine`` names, from its builder in rollout/build.py."""
-    return ENGINES.get(cfg.rollout.engine)(cfg, vocab, overlap, learner_executor, engine_threads, device_index)
+    return engine_entry(cfg).build(cfg, vocab, overlap, learner_executor, engine_threads, device_index)
 
 
 def uses_sandbox(cfg: RootConfig) -> bool:

@@ -52,7 +52,7 @@ def test_registry_lists_the_expected_names(key):
 def test_registries_hold_the_stock_components():
     assert REWARDS["reverse_digits"] is digit_match and REWARDS["sort_digits"] is digit_match
     assert REWARDS["gsm8k"] is gsm8k_exact
-    assert ENGINES.get("embedded") is build_embedded and ENGINES.get("vllm") is build_vllm
+    assert ENGINES.get("embedded").build is build_embedded and ENGINES.get("vllm").build is build_vllm
     assert WORKFLOWS.get("single_turn") is single_turn_group
 
 
@@ -182,7 +182,7 @@ def test_trainer_runs_every_component_by_its_registered_name(megatron_world, tmp
         calls["workflow"] += 1
         return await single_turn_group(*args)
 
-    with registered(ENGINES, "test_engine", counted("engine", build_embedded)), \
+    with registered(ENGINES, "test_engine", replace(ENGINES.get("embedded"), build=counted("engine", build_embedded))), \
             registered(WORKFLOWS, "test_workflow", workflow), \
             registered(REWARDS, "test_reward", counted_digit_match), \
             registered(ADVANTAGE_ESTIMATORS, "test_adv", counted("advantages", ADVANTAGE_ESTIMATORS.get("grpo"))), \

@@ -197,7 +197,7 @@ class LoraConfig:
 
 @dataclass
 class RolloutConfig:
-    # embedded | vllm (a builder in rollout/build.py's ENGINES)
+    # embedded | vllm (an entry in rollout/build.py's ENGINES: how it is built, hosted and checked)
     engine: str = "embedded"
     # How a prompt becomes its group of trajectories: single_turn (one response per sample), an
     # agent by name (calculator_agent) or by import path (my_pkg.agents:MyAgent); docs/agents.md.

@@ -57,6 +57,11 @@ class RolloutEngine(abc.ABC):
         """The engines this one fronts (a pool's members); an engine alone is its own."""
         return [self]
 
+    def pids(self) -> List[int]:
+        """The processes of its own that it computes in (none: it computes in its caller's), for
+        the world's list of which process is which."""
+        return []
+
 
 
     @abc.abstractmethod

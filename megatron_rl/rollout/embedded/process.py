@@ -69,6 +69,9 @@ class EngineProcess(EngineClient):
     def pid(self) -> Optional[int]:
         return self._proc.pid
 
+    def pids(self) -> List[int]:
+        return [self._proc.pid] if self._proc.pid else []
+
     def _weights_device(self) -> Optional[torch.device]:
         """Where to pack: the engine's GPU when it has its own, else where the weights are."""
         if self._device_index is not None and torch.cuda.is_available():
