@@ -255,7 +255,7 @@ def sandbox_env():
 
 def test_code_reward_refuses_a_weak_sandbox_unless_allowed(sandbox_env, tmp_path):
     from megatron_rl.telemetry.run_dir import make_run_dir
-    from megatron_rl.trainer import prepare_sandbox, uses_sandbox
+    from megatron_rl.build import prepare_sandbox, uses_sandbox
 
     cfg = load_config("tiny_cpu", ["reward.name=code", "sandbox.mode=rlimits"])
     with pytest.raises(ConfigError) as info:

@@ -165,7 +165,7 @@ def test_generate_groups_runs_the_named_workflow():
 def test_trainer_runs_every_component_by_its_registered_name(megatron_world, tmp_path, monkeypatch):
     """One short run with each component registered under a new name that wraps a stock one: the
     trainer builds, rolls out, scores, estimates and trains through the names the config gives."""
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
     from reward_functions import counted_digit_match  # rewards run in worker processes: counted in a file
 
     monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
@@ -192,7 +192,7 @@ def test_trainer_runs_every_component_by_its_registered_name(megatron_world, tmp
             "trainer.save_final_checkpoint=false", "algo.group_size=2", "algo.groups_per_batch=2",
             "learner.mini_batches=1", "rollout.engine=test_engine", "rollout.workflow=test_workflow",
             "reward.name=test_reward", "algo.name=test_adv", "algo.policy_loss=test_loss"])
-        trainer = Trainer(cfg)
+        trainer = build_trainer(cfg)
         trainer.run()
     assert calls["engine"] == 1
     assert calls["workflow"] >= 4  # 2 steps x 2 groups (more if a prompt ran ahead)

@@ -46,8 +46,8 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     """Every rank of the world calls this; the driver returns the run's summary."""
     from ..data.build import build_data
     from ..models.pretrained import vocab_size_for
+    from ..build import seed_everything
     from ..rollout.build import CHANNEL, engine_entry
-    from ..trainer import seed_everything
 
     lc = cfg.learner
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
@@ -89,25 +89,18 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
             serve_learner(worker, control)
             return None
         return _drive(cfg, plan, worker, LearnerGroup(worker, control, plan.learner_ranks), ranks, authkey,
-                      (tokenizer, prompts), colocated)
+                      (tokenizer, prompts))
     finally:
         if hosted:
             hosted.close()
 
 
-def _drive(cfg: RootConfig, plan: Plan, worker, learners, ranks: List[Dict], authkey: bytes, data,
-           colocated: bool) -> Dict[str, float]:
-    from ..rollout.pool import EnginePool
-    from ..rollout.remote import RemoteEngine
-    from ..trainer import Trainer, WorldPlacement
+def _drive(cfg: RootConfig, plan: Plan, worker, learners, ranks: List[Dict], authkey: bytes,
+           data) -> Dict[str, float]:
+    """The driver: the same composition root and Trainer as one process, given what the ranks built."""
+    from ..build import WorldRanks, build_trainer
 
-    heads = list(plan.learner_ranks) if colocated else [group[0] for group in plan.engine_groups]
-    engines = [RemoteEngine(ranks[r]["engine_address"], authkey, r, call_timeout_s=cfg.trainer.rank_timeout_s)
-               for r in heads]
-    pool = EnginePool(engines) if len(engines) > 1 else engines[0]
-    world = WorldPlacement(worker, learners, pool, data, colocated=colocated,
-                           remote_engines=[] if colocated else engines, table=plan.table(), ranks=ranks)
-    return Trainer(cfg, world).run()
+    return build_trainer(cfg, WorldRanks(worker, learners, data, ranks, authkey), plan).run()
 
 
 def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
