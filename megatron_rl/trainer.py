@@ -135,7 +135,7 @@ class Trainer:
     async def run_on_learners(self, name: str, *args: Any) -> Any:
         """``LearnerWorker.<name>(*args)`` on every learner rank, from the learner thread (every
         call to the learner ranks is made there, so they arrive in one order)."""
-        return await self.components.run_on_learners(name, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.learner_executor, self.learners.call, name, *args)
 
     # ------------------------------------------------------------------ pieces of a step
     async def sync_weights(self) -> None:
