@@ -5,7 +5,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Awaitable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 

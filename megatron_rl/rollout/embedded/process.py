@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
