@@ -10,7 +10,6 @@ run directory; the last step leaves a checkpoint."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import math
@@ -36,6 +35,7 @@ from .scheduler.staleness import StalenessManager
 from .stop import StopRequested
 from .telemetry.metrics import forget_spans_after
 from .telemetry.progress import Progress
+from .telemetry.step_metrics import EngineCounters
 from .telemetry.run_context import RunContext
 from .types import SamplingParams, Trajectory
 
@@ -102,7 +102,7 @@ class Trainer:
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
                                      stop_token_ids=self.tokenizer.stop_ids, stream=False,
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
-        self._engine_prev = copy.copy(self.engine.stats)
+        self._engine_counters = EngineCounters(self.engine.stats)
         self._sync_metrics: Dict[str, float] = {}
         sc = cfg.scheduler
         self.ledger = PromptLedger(self.prompts, StalenessManager(
@@ -212,23 +212,6 @@ class Trainer:
             **agent_metrics(groups),
             **extra_reward_metrics(flat),
         }
-
-    def engine_metrics(self) -> Dict[str, float]:
-        """Engine counters since the previous call: batches built and decode steps, and the mean
-        number of running rows per decode step (continuous batching keeps it up)."""
-        st, prev = self.engine.stats, self._engine_prev
-        steps = st.decode_steps - prev.decode_steps
-        out = {
-            "engine/prefills": float(st.prefills - prev.prefills),
-            "engine/admissions": float(st.admissions - prev.admissions),
-            "engine/decode_steps": float(steps),
-            "engine/rows_per_decode": (st.decode_rows - prev.decode_rows) / steps if steps else 0.0,
-            # Where the engine's compute time went since the last step.
-            **{f"engine/{kind}_s": getattr(st, f"{kind}_s") - getattr(prev, f"{kind}_s")
-               for kind in ("prefill", "admit", "decode")},
-        }
-        self._engine_prev = copy.copy(st)
-        return out
 
     def tokens(self, flat: Sequence[Trajectory]) -> Tuple[int, int]:
         """(generated tokens, trained tokens) of a batch."""
@@ -407,7 +390,7 @@ class Trainer:
                 "queue/returned_total": float(self.ledger.counts["returned"]),
                 "queue/filtered_total": float(self.ledger.counts["filtered"]),
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
-                **self.engine_metrics(),
+                **self._engine_counters.since_last(self.engine.stats),
                 **self._sync_metrics,
                 **self.context.gpu_telemetry.step_metrics(),
             })
