@@ -1,16 +1,18 @@
 """One RL job over a torchrun world: every rank takes its role from the placement plan.
 
-- **driver** (rank 0, a learner rank): runs the ``Trainer``, the same driver as a one-process
-  run: data, the staleness-bounded controller, rewards, metrics, checkpoints. It reaches every
-  engine through a ``RemoteEngine`` (the RolloutEngine interface over TCP) and the other learner
-  ranks through a ``LearnerGroup``.
+- **driver** (rank 0, a learner rank): composes the run with the same root as a one-process run
+  (``megatron_rl/build.py``) and runs the same ``Trainer``: data, the staleness-bounded
+  controller, rewards, metrics, checkpoints. It reaches every engine through a ``RemoteEngine``
+  (the RolloutEngine interface over TCP) and the other learner ranks through a ``LearnerGroup``.
 - **learner ranks**: build the same ``LearnerWorker`` and replay the driver's learner calls
   (train, send weights, save, resume), so Megatron's TP/PP/EP/DP collectives meet.
-- **engine ranks** (disaggregated): serve an embedded engine to the driver; new weights come
-  over the weight-sync groups, received on a thread while the engine keeps generating, and are
-  swapped in whole (pause(keep), load, resume).
-- **colocated**: every learner rank also hosts an engine (a child process), served to the driver
-  the same way; weights are gathered on each rank and loaded through shared memory.
+- **engine ranks** (disaggregated): serve the engine that ``rollout.engine``'s registry entry
+  builds on an engine rank (rollout/build.py); new weights come over the weight-sync groups,
+  received on a thread while the engine keeps generating, and are swapped in whole (pause(keep),
+  load, resume), or, for an entry whose weights come by channel (vLLM), through its workers.
+- **colocated**: every learner rank also hosts an engine (the entry's ``on_learner_rank``: for
+  the embedded engine a child process), served to the driver the same way; weights are gathered
+  on each rank and loaded through shared memory.
 
 Groups: Megatron's learner layout, the weight-sync groups, and a gloo control group of the
 learner ranks that carries the driver's calls. Every group is made with
