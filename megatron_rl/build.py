@@ -223,6 +223,7 @@ def build(cfg: RootConfig, plan: Plan, context: RunContext, world: Optional[Worl
         engine, transport, remote = _world_engines(cfg, plan, world, learner_caller(learners, executor))
         learners.call("open_timeline", str(context.dir))
         context.write_world(plan.table(), world.ranks)
+    run_on_learners = learner_caller(learners, executor)
     # tokenizer.json with the tokenizer_config.json / generation_config.json that tell transformers
     # its EOS and PAD: the run directory is the tokenizer directory of its checkpoints.
     tokenizer.save_pretrained(context.dir)
@@ -239,9 +240,8 @@ def build(cfg: RootConfig, plan: Plan, context: RunContext, world: Optional[Worl
         except BaseException:
             rewards.close()
             raise
-    return Components(tokenizer, CountingIterator(prompts), worker, learners, executor,
-                      learner_caller(learners, executor), engine, transport, workflow, rewards, policy,
-                      evaluator, remote)
+    return Components(tokenizer, CountingIterator(prompts), worker, learners, executor, run_on_learners, engine,
+                      transport, workflow, rewards, policy, evaluator, remote)
 
 
 def _one_process(cfg: RootConfig, executor: ThreadPoolExecutor, device_index: Optional[int]):
