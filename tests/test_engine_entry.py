@@ -11,7 +11,7 @@ import pytest
 
 import counting_engine
 from megatron_rl.rollout.build import ENGINES
-from world_runs import COMMON, run, rows
+from world_runs import COMMON, rows, run, world_ranks
 
 SMALL = ("trainer.total_steps=2", "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1",
          "trainer.save_final_checkpoint=false", "rollout.engine=counting")
@@ -44,18 +44,21 @@ def test_a_registered_engine_serves_a_one_process_run(tmp_path, counting):
     assert {built_as for _, built_as, _ in calls} == {"one_process"}
 
 
-def test_a_registered_engine_serves_a_tp2_torchrun_world(tmp_path, counting):
-    """Learners at TP=2 on ranks 0-1, the engine on rank 2 (~40 s on 2 cores). The colocated
-    placement hosts an engine through the entry's ``on_learner_rank`` the same way (a 2-rank
-    world, ~60 s: left to the η = 0 world tests, which run it with the embedded entry)."""
+@pytest.mark.parametrize("ranks, placement, built_as", [
+    # Learners at TP=2 on ranks 0-1, the engine on rank 2, built by the entry's on_engine_rank.
+    (3, ("rollout.engines=1", "rollout.placement=disaggregated"), "engine_rank"),
+    # Each learner rank hosts an engine beside it, built by the entry's on_learner_rank.
+    (2, ("rollout.engines=2", "rollout.placement=colocated"), "learner_rank"),
+])
+def test_a_registered_engine_serves_a_tp2_torchrun_world(tmp_path, counting, ranks, placement, built_as):
     run_dir = tmp_path / "run"
     script = Path(counting_engine.__file__)
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "3", str(script),
-         *COMMON, f"trainer.run_dir={run_dir}", "learner.tp=2", "rollout.engines=1",
-         "rollout.placement=disaggregated", *SMALL], timeout=300)
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), str(script),
+         *COMMON, f"trainer.run_dir={run_dir}", "learner.tp=2", *placement, *SMALL], timeout=300)
     assert len(rows(run_dir)) == 2
     calls = _lines(counting)
     assert len(calls) >= 4
-    # Built on the engine rank by the entry's hosting builder, in that rank's process.
-    assert {built_as for _, built_as, _ in calls} == {"engine_rank"}
-    assert len({pid for pid, _, _ in calls}) == 1
+    # Built on the world's ranks by the entry's hosting builder, in those ranks' processes.
+    assert {b for _, b, _ in calls} == {built_as}
+    ranks_that_served = {pid for pid, _, _ in calls}
+    assert ranks_that_served <= {str(r["pid"]) for r in world_ranks(run_dir)}
