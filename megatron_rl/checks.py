@@ -15,7 +15,7 @@ from .algorithms.rollout_correction import IS_LEVELS, REJECT_LEVELS, check_corre
 from .config import validate as own
 from .config.load import compose_config
 from .config.schema import RootConfig
-from .config.validate import NOT_YET, validate_eval
+from .config.validate import ONE_PROCESS, PLACEMENTS, WORLD, validate_eval
 from .data.arithmetic import check_arithmetic
 from .data.sources import check_sources
 from .errors import ConfigError, UserError
@@ -28,12 +28,12 @@ from .models.shared_prefix import check_share_prompts
 from .plugins import is_import_path
 from .rewards.user import check_user_reward
 from .rewards.verifiers import REWARDS
-from .rollout.build import ENGINES, check_vllm_installed, check_vllm_moe
-from .rollout.device import check_engine_device
+from .rollout.build import ENGINES, engine_entry
 from .rollout.workflow import check_workflow, workflow_names
 from .telemetry.trackers import check_trackers
 
-__all__ = ["ALLOWED", "NOT_YET", "allowed", "load_config", "routing_replay_on", "validate", "validate_eval"]
+__all__ = ["ALLOWED", "ONE_PROCESS", "PLACEMENTS", "WORLD", "allowed", "load_config", "routing_replay_on", "validate",
+           "validate_eval"]
 
 # key -> its values, or a function returning them: a registry's names are read at each check,
 # so a component registered after this module was imported is a valid value.
@@ -45,7 +45,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "lora.sync": LORA_SYNCS,
     "rollout.engine": ENGINES.names,
     "rollout.workflow": workflow_names,
-    "rollout.placement": ("colocated",),
+    "rollout.placement": ("colocated", "disaggregated"),
     "algo.name": lambda: ADVANTAGE_ESTIMATORS.names() + LEARNER_RECIPES.names(),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.policy_loss": POLICY_LOSSES.names,
@@ -69,23 +69,24 @@ def allowed(key: str) -> Tuple[str, ...]:
     return choices() if callable(choices) else choices
 
 
-def _choices(cfg: RootConfig, distributed: bool) -> None:
+def _choices(cfg: RootConfig) -> None:
     for key in ALLOWED:
-        if distributed and key == "rollout.placement" and cfg.rollout.placement == "disaggregated":
-            continue
         if key == "rollout.workflow" and is_import_path(cfg.rollout.workflow):
             continue  # a user's agent: loaded and checked by check_workflow
         own.check_choice(cfg, key, allowed(key))
 
 
-def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
+def validate(cfg: RootConfig, placement: str = ONE_PROCESS) -> RootConfig:
     """Check every value of a resolved config; raise ConfigError naming the first bad key.
 
-    ``distributed``: the config is for the torchrun world split (``python -m megatron_rl.launch``),
-    where multi-rank learners and engines exist; the placement planner checks their sizes."""
+    ``placement``: where the run's processes are, ``ONE_PROCESS`` (``python -m megatron_rl.main``)
+    or ``WORLD`` (``python -m megatron_rl.launch`` under torchrun, whose planner checks the sizes
+    of multi-rank learners and engines). A key means the same in both or is refused with one line
+    naming the placement."""
     own.check_finite(cfg)
     own.check_reward_bounds(cfg)
-    _choices(cfg, distributed)
+    _choices(cfg)
+    own.check_placement(cfg, placement)
     check_trackers(cfg.trainer.loggers)
     check_workflow(cfg.rollout)
     own.check_positives(cfg)
@@ -106,19 +107,15 @@ def validate(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         check_arithmetic(cfg.data)
     own.check_context(cfg)
     own.check_eval(cfg)
-    check_engine_device(cfg.rollout, distributed)
-    if distributed:  # the layouts the placement planner will place must fit the model's shape
-        check_layouts(cfg)
+    check_layouts(cfg)  # the layouts the placement planner will place fit the model's shape
     check_routing_replay(cfg)
-    check_vllm_moe(cfg)
-    own.check_weight_sync(cfg, distributed)
+    own.check_weight_sync(cfg)
     check_user_reward(cfg.reward)
-    check_vllm_installed(cfg.rollout)
-    own.check_one_process(cfg, distributed)
+    engine_entry(cfg).check(cfg, placement)  # the engine's own settings, where it will run
     return cfg
 
 
-def resolve(cfg: RootConfig, distributed: bool = False) -> RootConfig:
+def resolve(cfg: RootConfig, placement: str = ONE_PROCESS) -> RootConfig:
     """A typed config (``config.to_dataclass``) made whole and checked: model.path's architecture
     replaces the recipe's model sizes, data.tokenizer=auto is chosen, then ``validate``."""
     from .data.build import choose_tokenizer
@@ -132,11 +129,12 @@ def resolve(cfg: RootConfig, distributed: bool = False) -> RootConfig:
         cfg.data.tokenizer = choose_tokenizer(cfg)
     except UserError as err:
         raise ConfigError(str(err)) from None
-    return validate(cfg, distributed=distributed)
+    return validate(cfg, placement)
 
 
-def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), distributed: bool = False) -> RootConfig:
+def load_config(recipe: str = "tiny_cpu", overrides: Sequence[str] = (), placement: str = ONE_PROCESS) -> RootConfig:
     """The recipe ``recipe`` names (a name in the recipe folders, or a ``.yaml`` file) with
     command-line style overrides, as the CLI composes it, resolved and checked (ConfigError names
-    the first bad key). Relative paths in it come out absolute, from the working directory."""
-    return resolve(compose_config(recipe, overrides), distributed=distributed)
+    the first bad key). Relative paths in it come out absolute, from the working directory.
+    ``placement``: ``ONE_PROCESS`` (default) or ``WORLD``, as in ``validate``."""
+    return resolve(compose_config(recipe, overrides), placement)

@@ -151,9 +151,12 @@ def _remove_run_dir(run_dir: Path) -> None:
 
 
 def _run(args, cfg, out: Path) -> Dict:
-    from .trainer import Trainer
+    from .build import build, one_process_plan, open_run
 
-    trainer = Trainer(cfg)
+    # The same run context and components as a training run: the learner loads the checkpoint
+    # and its weights reach the engine through the run's weight transport.
+    context, device_index = open_run(cfg)
+    parts = build(cfg, one_process_plan(cfg), context, device_index=device_index)
     suite = None
     progress = None
     if not args.no_progress:
@@ -163,27 +166,28 @@ def _run(args, cfg, out: Path) -> Dict:
                             transient=False)
 
     async def run() -> Dict[str, Dict]:
-        await trainer.sync_weights()  # the engine serves the checkpoint's weights, as loaded by the learner
+        await parts.transport.push(0)  # the engine serves the checkpoint's weights, as loaded by the learner
         try:
-            return await suite.score(trainer.engine, progress=progress)
+            return await suite.score(parts.engine, progress=progress)
         finally:
-            await trainer.engine.shutdown()
+            await parts.engine.shutdown()
 
+    finished = False
     try:
-        suite = EvalSuite(cfg, trainer.tokenizer, fallback_to_train_data=True)
+        suite = EvalSuite(cfg, parts.tokenizer, fallback_to_train_data=True)
         if progress:
             progress.start()
         results = asyncio.run(run())
+        finished = True
     finally:
         if progress:
             progress.stop()
         if suite is not None:
             suite.close()
-        for closable in (trainer.learners, trainer.metrics, trainer.timeline, trainer.samples, trainer.rewards):
-            closable.close()
-        trainer.learner_executor.shutdown(wait=True)
+        parts.close(finished)
+        context.close(finished)
     report = {"model_path": cfg.model.path, "tokenizer": cfg.data.tokenizer, "samples": suite.samples, "k": suite.k,
-              "chat_template": trainer.tokenizer.chat_template is not None,
+              "chat_template": parts.tokenizer.chat_template is not None,
               "sampling": {"temperature": suite.params.temperature, "top_p": cfg.rollout.top_p,
                            "max_new_tokens": cfg.rollout.max_new_tokens},
               "datasets": results}

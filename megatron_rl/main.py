@@ -89,9 +89,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 0
 
     def run():
-        from .trainer import Trainer
+        from .build import build_trainer
 
-        return Trainer(cfg).run()
+        return build_trainer(cfg).run()
 
     return run_guarded(run)
 

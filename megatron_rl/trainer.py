@@ -1,4 +1,5 @@
-"""Wires data, engines, rewards and learners into a run: the driver of every placement.
+"""The driver of every placement: it receives a run's components (``megatron_rl.build``) and
+its context (run directory and writers, ``telemetry/run_context.py``) and drives them.
 
 One step: G samples per prompt → rewards → group advantages → train → push the new weights to
 the engines, all through the staleness-bounded controller (scheduler/controller.py), the one
@@ -9,56 +10,36 @@ run directory; the last step leaves a checkpoint."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import math
-import random
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
-from .checkpoint.resume import CountingIterator, capture_rng, restore_rng
+from .checkpoint.resume import capture_rng, restore_rng
 from .config.schema import RootConfig
-from .errors import ConfigError
-from .data.build import build_data
 from .data.datasets import Prompt
-from .learner.group import LearnerGroup
-from .lifetime import available_cores
-from .learner.worker import LearnerWorker
-from .models.gpt import model_device
-from .models.lora import engine_applies_adapters
-from .models.pretrained import vocab_size_for
+from .learner.teachers import row_teacher
 from .plugins import PluginError
-from .rewards import RewardRunner, score_groups
+from .rewards import score_groups
 from .rewards.runner import RewardFailing
-from .rewards.user import build_reward
-from .rollout.device import resolve_engine_device
-from .rollout.build import ENGINES
-from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.agent import AgentError, agent_metrics, runs
-from .learner.recipes import recipe_for
-from .learner.teachers import check_row_teachers, row_teacher
-from .rollout.dataset_responses import DatasetResponses
-from .rollout.workflow import build_workflow
-from .rollout.engine import EngineError, RolloutEngine, raise_if_gone, whole_response
+from .rollout.engine import EngineError, raise_if_gone, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
-from .stop import StopRequested, StopWatch, uninstall_stop_handlers
-from .telemetry.gpu import GpuTelemetry
-from .telemetry.metrics import MetricsWriter, Timeline, TrainedBatches, forget_spans_after
-from .telemetry.trackers import open_trackers
+from .stop import StopRequested
+from .telemetry.metrics import forget_spans_after
 from .telemetry.progress import Progress
-from .telemetry.run_dir import make_run_dir, setup_logging
+from .telemetry.step_metrics import EngineCounters
+from .telemetry.run_context import RunContext
 from .types import SamplingParams, Trajectory
-from .weights.adapter_sync import AdapterTransport
-from .weights.transports import transport_for
+
+if TYPE_CHECKING:  # built by the composition root (megatron_rl/build.py), which imports this module
+    from .build import Components
 
 logger = logging.getLogger(__name__)
 
@@ -76,80 +57,6 @@ def extra_reward_metrics(flat: Sequence[Trajectory]) -> Dict[str, float]:
         for key, value in traj.reward_info.items():
             values.setdefault(key, []).append(value)
     return {f"reward/extra/{key}": float(np.mean(v)) for key, v in sorted(values.items())}
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def compute_threads(cfg: RootConfig, overlap: bool) -> Tuple[Optional[int], int]:
-    """Intra-op threads for this process (None: torch's default) and for an engine process.
-
-    On a CPU, a learner and an engine that compute at once (rollouts overlapping training) each
-    get half of ``trainer.cpu_threads`` cores: two OpenMP teams of the full size spin against each
-    other and run ~2.5x slower (measured on 2 cores). In one process the half is shared (torch's
-    setting is process-wide); an engine in its own process leaves the learner the other half.
-    On GPU this process keeps torch's default unless ``trainer.cpu_threads`` is set."""
-    cores = cfg.trainer.cpu_threads or available_cores()
-    engine = max(1, cores // 2) if overlap else cores
-    if torch.cuda.is_available():
-        return cfg.trainer.cpu_threads or None, engine
-    if not overlap:
-        return cores, engine
-    own_process = cfg.rollout.separate_process or cfg.rollout.engine == "vllm"  # vLLM's core always is
-    return (cores - cores // 2 if own_process else engine), engine
-
-
-def engine_gpu(cfg: RootConfig) -> Optional[int]:
-    """``rollout.device`` on this machine: the GPU of the engine process (None: the default).
-    A GPU the machine lacks is a ConfigError, raised before the learner is built."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    try:
-        return resolve_engine_device(cfg.rollout.device, gpus)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-
-
-def build_engine(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
-                 engine_threads: int, device_index: Optional[int] = None) -> RolloutEngine:
-    """The engine that ``rollout.engine`` names, from its builder in rollout/build.py."""
-    return ENGINES.get(cfg.rollout.engine)(cfg, vocab, overlap, learner_executor, engine_threads, device_index)
-
-
-def uses_sandbox(cfg: RootConfig) -> bool:
-    """Whether the run executes model-written programs: the code reward, or an agent whose tools
-    run code (its ``uses_sandbox`` attribute)."""
-    if cfg.reward.fn is None and cfg.reward.name == "code":
-        return True
-    from .plugins import is_import_path, load_object
-    from .rollout.workflow import AGENTS, is_agent
-
-    name = cfg.rollout.workflow
-    if not is_agent(name):
-        return False
-    try:
-        agent = load_object(name, what="rollout.workflow") if is_import_path(name) else AGENTS.get(name)
-    except (ValueError, ImportError):
-        return False  # build_workflow reports it
-    return bool(getattr(agent, "uses_sandbox", False))
-
-
-def prepare_sandbox(cfg: RootConfig) -> Optional[str]:
-    """For a run that executes model-written programs: the code sandbox set up from
-    ``cfg.sandbox`` and its mode in use written back into ``cfg.sandbox.mode`` (None otherwise).
-    ConfigError (one line) when the sandbox cannot run them or may not in the mode it has."""
-    if not uses_sandbox(cfg):
-        return None
-    from .rewards.sandbox import SandboxUnavailable, configure
-
-    sc = cfg.sandbox
-    try:
-        sc.mode = configure(sc.mode, sc.allow_weak_isolation, sc.python)
-    except SandboxUnavailable as err:
-        raise ConfigError(str(err)) from None
-    return sc.mode
 
 
 def lr_at(cfg: RootConfig, step: int) -> float:
@@ -170,95 +77,27 @@ def lr_at(cfg: RootConfig, step: int) -> float:
     return lc.lr
 
 
-@dataclass
-class WorldPlacement:
-    """What a torchrun world hands its driver (rank 0): the learner ranks and the engines as they
-    were placed (``launch/run.py``). One process builds its own instead."""
-    worker: LearnerWorker
-    learners: LearnerGroup
-    engine: RolloutEngine                   # the engines, one pool
-    data: Tuple[Any, Any]                   # (tokenizer, prompt stream), built before the learner
-    colocated: bool = False
-    remote_engines: List[Any] = field(default_factory=list)  # disaggregated: the engines to sync
-    table: str = ""                         # the placement plan, for the log
-    ranks: List[Dict[str, Any]] = field(default_factory=list)  # role, host, pid of every rank
-
-
 class Trainer:
     """The driver of a run, the same in every placement: data, engines, rewards, the
     staleness-bounded controller, metrics, checkpoints. Learner work goes through
     ``self.learners`` (every learner rank runs it) on the learner thread; weights reach the
     engines through ``self.transport``."""
 
-    def __init__(self, cfg: RootConfig, world: Optional[WorldPlacement] = None):
-        self.cfg = cfg
-        # A GPU the machine lacks is refused before anything is built or written.
-        device_index = engine_gpu(cfg) if world is None else None
-        # So is a code sandbox that does not wall model-written programs off (resolved into
-        # config.yaml's sandbox.mode).
-        sandbox_mode = prepare_sandbox(cfg)
-        self.run_dir = make_run_dir(cfg)
-        setup_logging(self.run_dir / "logs" / "train.log")
-        if sandbox_mode:
-            from .rewards.sandbox import STRONG_MODES, describe
-
-            logger.log(logging.INFO if sandbox_mode in STRONG_MODES else logging.WARNING, describe(sandbox_mode))
-        # The learner computes on this thread, bound to this process's device (CUDA's is per thread).
-        self.learner_executor = ThreadPoolExecutor(1, thread_name_prefix="learner", initializer=bind_thread_to_device,
-                                                   initargs=(model_device(),))
-        overlap = cfg.scheduler.max_staleness > 0
-        if world is None:
-            learner_threads, engine_threads = compute_threads(cfg, overlap)
-            if learner_threads:
-                torch.set_num_threads(learner_threads)
-            seed_everything(cfg.trainer.seed)
-            self.tokenizer, prompts = build_data(cfg)
-            try:
-                vocab = vocab_size_for(cfg.model, self.tokenizer.vocab_size, cfg.learner.tp)
-            except ValueError as err:  # a tokenizer larger than the checkpoint's vocabulary
-                raise ConfigError(str(err)) from None
-            self.worker = LearnerWorker(cfg, vocab, self.tokenizer.pad_id)
-            self.learners = LearnerGroup(self.worker)
-            self.engine = build_engine(cfg, vocab, overlap, self.learner_executor, engine_threads, device_index)
-            # LoRA with an engine that applies the adapters unmerged: the base once, then adapters only.
-            transport = (AdapterTransport if engine_applies_adapters(cfg)
-                         else transport_for(cfg.rollout.engine, "one_process").transport)
-            self.transport = transport([self.engine], self.run_on_learners, cfg.rollout.weight_timeout_s,
-                                       worker=self.worker)
-        else:
-            self.tokenizer, prompts = world.data
-            self.worker, self.learners, self.engine = world.worker, world.learners, world.engine
-            placement = "colocated" if world.colocated else "disaggregated"
-            self.transport = transport_for(cfg.rollout.engine, placement).transport(
-                world.remote_engines or [self.engine], self.run_on_learners, cfg.rollout.weight_timeout_s)
-            self.learners.call("open_timeline", str(self.run_dir))
-            logger.info("torchrun world:\n%s", world.table)
-            (self.run_dir / "world.json").write_text(json.dumps({"plan": world.table, "ranks": world.ranks}, indent=1))
-        # tokenizer.json with the tokenizer_config.json / generation_config.json that tell transformers
-        # its EOS and PAD: the run directory is the tokenizer directory of its checkpoints.
-        self.tokenizer.save_pretrained(self.run_dir)
-        check_row_teachers(prompts, cfg.teacher)  # several teachers: each row names one
-        # Counted, so that a resumed run skips what the checkpointed run had drawn.
-        self.prompts = CountingIterator(prompts)
+    def __init__(self, cfg: RootConfig, components: Components, context: RunContext):
+        """``components``: the run's parts (``megatron_rl.build.build``); ``context``: its run
+        directory and writers (``RunContext``). The driver builds nothing itself."""
+        self.cfg, self.components, self.context = cfg, components, context
+        c = components
+        self.tokenizer, self.prompts, self.worker, self.learners = c.tokenizer, c.prompts, c.worker, c.learners
+        self.engine, self.transport, self.workflow, self.rewards = c.engine, c.transport, c.workflow, c.rewards
+        self.evaluator, self.learner_executor = c.evaluator, c.learner_executor
         r = cfg.rollout
         # With rollout.seed_by_request each request samples from its own random stream (seeded
         # by the run's seed and its id), so its tokens do not depend on the engine serving it.
         self.params = SamplingParams(r.temperature, r.top_p, r.top_k, r.max_new_tokens,
                                      stop_token_ids=self.tokenizer.stop_ids, stream=False,
                                      seed=cfg.trainer.seed if r.seed_by_request else None)
-        try:
-            if recipe_for(cfg.algo.name).samples_from_data:  # SFT: the rows' own responses
-                self.workflow = DatasetResponses(self.tokenizer, lambda: self.version)
-            else:
-                self.workflow = build_workflow(r.workflow, self.tokenizer, cfg.model.max_position_embeddings,
-                                               r.turn_discount, r.agent_args)
-        except ValueError as err:  # e.g. an agent with a tokenizer that has no chat template
-            raise ConfigError(str(err)) from None
-        self.timeline = Timeline(self.run_dir / "timeline.jsonl")
-        self._remote_engines = [] if world is None else world.remote_engines
-        self.samples = (self.run_dir / "samples.jsonl").open("a", buffering=1)
-        self.version = 0
-        self._engine_prev = copy.copy(self.engine.stats)
+        self._engine_counters = EngineCounters(self.engine.stats)
         self._sync_metrics: Dict[str, float] = {}
         sc = cfg.scheduler
         self.ledger = PromptLedger(self.prompts, StalenessManager(
@@ -268,52 +107,25 @@ class Trainer:
         self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
                                           train_executor=self.learner_executor,
                                           max_filtered_batches=cfg.algo.filter_max_batches)
-        self.stop_watch = StopWatch(self.run_dir)
         self.start_step = 1
         self._engine_sampling_state: Optional[bytes] = None
-        self.rewards = self.build_rewards()  # its worker processes start now, in the background
-        # trainer.eval_interval: the eval sets, tokenized once; scored with this engine between steps.
-        self.evaluator = None
-        if cfg.trainer.eval_interval:
-            from .eval_sets import EvalSuite
-
-            try:
-                self.evaluator = EvalSuite(cfg, self.tokenizer)
-            except BaseException:
-                self.rewards.close()
-                raise
         self._eval_s = 0.0
         if cfg.trainer.resume:
-            try:
-                self.resume()  # last: the random states it restores must not be consumed by set-up
-            except BaseException:
-                self.rewards.close()
-                raise
-        # Rows and TensorBoard events of steps after the checkpoint (a run that died past it) are
-        # dropped; W&B and MLflow continue the run's own run (trainer.loggers).
-        try:
-            trackers = open_trackers(cfg.trainer.loggers, self.run_dir, cfg.trainer.project, cfg.trainer.run_name,
-                                     first_step=self.start_step)
-        except BaseException:
-            self.rewards.close()
-            raise
-        self.metrics = MetricsWriter(self.run_dir, first_step=self.start_step, trackers=trackers)
-        # Per-step GPU utilisation, memory, power, clocks (telemetry/gpu.py); empty without a GPU.
-        self.gpu_telemetry = GpuTelemetry(cfg.trainer.gpu_telemetry_interval_s).start()
-        self.trained = TrainedBatches(self.run_dir, first_step=self.start_step)
-        logger.info("run directory: %s", self.run_dir)
+            self.resume()  # last: the random states it restores must not be consumed by set-up
+        context.open_step_writers(self.start_step)
 
-    def build_rewards(self) -> RewardRunner:
-        rc = self.cfg.reward
-        reward_fn, reward_label = build_reward(rc)
-        try:
-            # A reward failing for every sample of a batch's worth of groups in a row is broken
-            # (or its data is): the run stops naming it rather than training on fallback scores.
-            return RewardRunner(reward_fn, rc.workers, rc.timeout_s, name=reward_label, fallback=rc.fallback,
-                                min_value=rc.min_value, max_value=rc.max_value, max_abs=rc.max_abs,
-                                max_failing_groups=self.cfg.algo.groups_per_batch)
-        except PluginError as err:  # a reward the worker processes cannot be sent
-            raise ConfigError(str(err)) from None
+    @property
+    def version(self) -> int:
+        """The policy version last published to the engines."""
+        return self.components.policy.value
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.components.policy.value = value
+
+    @property
+    def run_dir(self) -> Path:
+        return self.context.dir
 
     async def run_on_learners(self, name: str, *args: Any) -> Any:
         """``LearnerWorker.<name>(*args)`` on every learner rank, from the learner thread (every
@@ -333,7 +145,7 @@ class Trainer:
     async def probe_engines(self, new_tokens: int = 8) -> float:
         """Every engine samples a fixed probe with the version just pushed; the learner scores the
         same tokens. Returns the largest |engine - learner| logprob gap over all engines."""
-        engines = self._remote_engines or getattr(self.engine, "engines", None) or [self.engine]
+        engines = self.engine.engines
         prompt = [1 + i % (self.worker.vocab_size - 1) for i in range(8)]
         params = SamplingParams(self.cfg.rollout.temperature, max_new_tokens=new_tokens, stream=False,
                                 seed=self.cfg.trainer.seed)
@@ -357,7 +169,7 @@ class Trainer:
         if step != 1 and step % self.cfg.trainer.log_interval:
             return
         for traj in groups[0][:n]:
-            self.samples.write(json.dumps({
+            self.context.samples.write(json.dumps({
                 "step": step, "prompt": prompts[0].text, "target": prompts[0].target,
                 "response": self.tokenizer.decode_response(traj.response_ids),
                 "finish_reason": traj.finish_reason, "reward": traj.reward}) + "\n")
@@ -370,7 +182,7 @@ class Trainer:
         # Distillation from several teachers: each group's, named by its prompt's row.
         teachers = ([row_teacher(p.row, self.cfg.teacher, f"prompt {p.uid}") for p in prompts]
                     if self.cfg.teacher.paths else None)
-        with self.timeline.span("train", step=step):
+        with self.context.timeline.span("train", step=step):
             metrics.update(self.learners.train(groups, version, lr_at(self.cfg, step), teachers))
         self.log_samples(step, prompts, groups)  # with the advantages the learner assigned
         return metrics
@@ -400,23 +212,6 @@ class Trainer:
             **extra_reward_metrics(flat),
         }
 
-    def engine_metrics(self) -> Dict[str, float]:
-        """Engine counters since the previous call: batches built and decode steps, and the mean
-        number of running rows per decode step (continuous batching keeps it up)."""
-        st, prev = self.engine.stats, self._engine_prev
-        steps = st.decode_steps - prev.decode_steps
-        out = {
-            "engine/prefills": float(st.prefills - prev.prefills),
-            "engine/admissions": float(st.admissions - prev.admissions),
-            "engine/decode_steps": float(steps),
-            "engine/rows_per_decode": (st.decode_rows - prev.decode_rows) / steps if steps else 0.0,
-            # Where the engine's compute time went since the last step.
-            **{f"engine/{kind}_s": getattr(st, f"{kind}_s") - getattr(prev, f"{kind}_s")
-               for kind in ("prefill", "admit", "decode")},
-        }
-        self._engine_prev = copy.copy(st)
-        return out
-
     def tokens(self, flat: Sequence[Trajectory]) -> Tuple[int, int]:
         """(generated tokens, trained tokens) of a batch."""
         generated = sum(len(t.response_ids) for t in flat)
@@ -426,7 +221,7 @@ class Trainer:
     async def rollout_group(self, ticket: Ticket) -> List[Trajectory]:
         """G samples of one prompt, scored; an aborted sample fails the group (prompt retried)."""
         g, p = self.cfg.algo.group_size, ticket.prompt
-        with self.timeline.span("generate", group=ticket.index):
+        with self.context.timeline.span("generate", group=ticket.index):
             try:
                 trajs = await self.workflow(self.engine, p, self.params,
                                             [f"g{ticket.index}-{p.uid}-{i}" for i in range(g)])
@@ -439,8 +234,8 @@ class Trainer:
         if aborted:
             raise GroupFailed(f"{aborted} of {g} samples aborted")
         trajs = list(trajs)
-        if not getattr(self.workflow, "sets_rewards", False):  # agents return their runs' rewards
-            with self.timeline.span("reward", group=ticket.index):
+        if not self.workflow.sets_rewards:  # agents return their runs' rewards
+            with self.context.timeline.span("reward", group=ticket.index):
                 try:
                     await self.score([p], [trajs])
                 except (PluginError, RewardFailing) as err:  # every group would fail the same way: stop
@@ -450,11 +245,11 @@ class Trainer:
     def train_groups(self, groups: List[FinishedGroup], version: int) -> Dict[str, float]:
         """Runs on the learner thread while rollouts continue."""
         metrics = self.train_on([g.ticket.prompt for g in groups], [g.trajectories for g in groups], version)
-        self.trained.write(version + 1, version, groups)
+        self.context.trained.write(version + 1, version, groups)
         return metrics
 
     async def publish(self, version: int) -> None:
-        with self.timeline.span("sync", version=version):
+        with self.context.timeline.span("sync", version=version):
             self.version = version
             await self.sync_weights()  # a dead engine is named there (weights/transports.py)
 
@@ -463,7 +258,7 @@ class Trainer:
         """Continue from the newest loadable checkpoint of this run directory, if there is one:
         weights and optimizers, random states, the position in the prompt stream, the policy
         version and the prompts that were waiting or in flight (they are generated again)."""
-        found = self.learners.call("resume", str(self.run_dir / "checkpoints"))
+        found = self.learners.call("resume", str(self.context.checkpoints))
         if found is None:
             return
         path, state = found
@@ -491,14 +286,14 @@ class Trainer:
             "engine_sampling_state": engine_state.hex() if engine_state is not None else None,
             "saved_at": time.time(),
         }
-        with self.timeline.span("checkpoint", step=step):
-            path = await self.run_on_learners("save", str(self.run_dir / "checkpoints"), step, state,
+        with self.context.timeline.span("checkpoint", step=step):
+            path = await self.run_on_learners("save", str(self.context.checkpoints), step, state,
                                               "hf" if self.cfg.trainer.export_hf else None, str(self.run_dir))
             return Path(path)
 
     async def stop_requested(self) -> bool:
         """A stop signal or file on any learner rank (they all stop after the same step)."""
-        return await self.run_on_learners("any_rank_asked", self.stop_watch.requested())
+        return await self.run_on_learners("any_rank_asked", self.context.stop_watch.requested())
 
     # ------------------------------------------------------------------ the run
     async def after_step(self, step: int, metrics: Dict[str, float], history: List[Dict[str, float]],
@@ -507,7 +302,7 @@ class Trainer:
         if cfg.eval_interval and step % cfg.eval_interval == 0:
             metrics.update(await self.validate(step))
         history.append(metrics)
-        self.metrics.write(step, metrics)
+        self.context.metrics.write(step, metrics)
         progress.update(step, metrics)
         if step % cfg.log_interval == 0 or step == cfg.total_steps:
             logger.info("step %d/%d reward %.3f loss %.4f entropy %.3f len %.1f staleness %.2f %.2fs",
@@ -528,7 +323,7 @@ class Trainer:
         untouched. Its requests sample from their own seeded streams (ids carry the step), so a
         resumed run scores the same steps the same way."""
         start = time.perf_counter()
-        with self.timeline.span("eval", step=step):
+        with self.context.timeline.span("eval", step=step):
             results = await self.evaluator.score(self.engine, tag=f"eval-s{step}")
         metrics = self.evaluator.metrics(results)
         self._eval_s = time.perf_counter() - start
@@ -553,16 +348,14 @@ class Trainer:
         try:
             return await self._train()
         finally:
-            close = getattr(self.workflow, "close", None)  # an agent's chat server, on this event loop
-            if close is not None:
-                await close()
+            await self.workflow.close()  # an agent's chat server, on this event loop
 
     async def _train(self) -> Dict[str, float]:
         cfg = self.cfg.trainer
-        await asyncio.gather(*(e.open_timeline(str(self.run_dir)) for e in self._remote_engines))
+        await asyncio.gather(*(e.open_timeline(str(self.run_dir)) for e in self.components.remote_engines))
         await self.engine.set_sampling_state(self._engine_sampling_state)
         await self.sync_weights()  # the engine starts from the learner's (initial or resumed) weights
-        history: List[Dict[str, float]] = self.metrics.history()
+        history: List[Dict[str, float]] = self.context.metrics.history()
         last = [time.perf_counter(), 0]  # wall time and engine tokens at the previous step
 
         async def on_step(step: int, metrics: Dict[str, float], batch) -> None:
@@ -583,9 +376,9 @@ class Trainer:
                 "queue/returned_total": float(self.ledger.counts["returned"]),
                 "queue/filtered_total": float(self.ledger.counts["filtered"]),
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
-                **self.engine_metrics(),
+                **self._engine_counters.since_last(self.engine.stats),
                 **self._sync_metrics,
-                **self.gpu_telemetry.step_metrics(),
+                **self.context.gpu_telemetry.step_metrics(),
             })
             last[0], last[1] = now, engine_tokens
             self._eval_s = 0.0
@@ -622,18 +415,9 @@ class Trainer:
             finished = True
         finally:
             self.log_ledger()
-            self.learners.close()  # the other learner ranks leave their loop
-            self.metrics.close(finished)
-            self.gpu_telemetry.close()
-            self.trained.close()
-            self.timeline.close()
-            self.samples.close()
-            self.rewards.close()
-            if self.evaluator is not None:
-                self.evaluator.close()
             # After a failure the learner thread may be stuck in a collective with a dead rank.
-            self.learner_executor.shutdown(wait=finished)
-            uninstall_stop_handlers()  # the run is over: a TERM from now on ends the process
+            self.components.close(finished)
+            self.context.close(finished)
         logger.info("done: reward %.3f (first steps) -> %.3f (last steps); run dir %s",
                     summary["reward_first"], summary["reward_last"], self.run_dir)
         return summary

@@ -93,9 +93,9 @@ class RecordingEngine(RolloutEngine):
 def recording_trainer(cfg):
     """A Trainer whose engine records every call and whose trained groups are kept: returns
     (trainer, trained), ``trained`` a list per step of its groups."""
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.engine = RecordingEngine(trainer.engine)
     trained = []
     real_train_on = trainer.train_on

@@ -127,7 +127,7 @@ def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_ch
     from tokenizers import Tokenizer as HFTokenizer
 
     from megatron_rl.checks import load_config
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [
         f"model.path={hf_dir}", "data.tokenizer=model", "data.template=chat", "data.name=gsm8k",
@@ -135,7 +135,7 @@ def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_ch
         "reward.name=gsm8k", "rollout.max_new_tokens=4", "trainer.total_steps=2", f"trainer.run_dir={tmp_path}",
         "trainer.progress=false", "trainer.save_final_checkpoint=false", "algo.group_size=2",
         "algo.groups_per_batch=2", "learner.mini_batches=1"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trained = _capture_training(trainer)
     assert trainer.run()["steps"] == 2
     # The checkpoint's files, read independently: the tokenizer.json ids of the template's text.
@@ -155,11 +155,11 @@ def test_two_steps_from_an_hf_directory_encode_prompts_with_its_tokenizer_and_ch
 def test_an_agent_function_loaded_by_import_path_trains(megatron_world, hf_dir, tmp_path):
     """``async def run_agent_return_reward(data)`` making its own client with openai_client()."""
     from megatron_rl.checks import load_config
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [f"model.path={hf_dir}",
                                    *agent_overrides(hf_dir, tmp_path, "agent_helpers:run_agent_return_reward")])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.engine = RecordingEngine(trainer.engine)
     trained = _capture_training(trainer)
     assert trainer.run()["steps"] == 2
@@ -199,10 +199,10 @@ def test_a_wrong_agent_path_or_signature_is_one_clear_line(workflow, message):
 def test_an_agent_returning_no_number_stops_the_run_with_one_line(megatron_world, hf_dir, tmp_path, capsys):
     from megatron_rl.checks import load_config
     from megatron_rl.main import run_guarded
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [f"model.path={hf_dir}", *agent_overrides(hf_dir, tmp_path, "agent_helpers:ReturnsText")])
-    assert run_guarded(Trainer(cfg).run) == 1
+    assert run_guarded(build_trainer(cfg).run) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "megatron_rl: error: rollout.workflow='agent_helpers:ReturnsText': the agent returned '1.0' (str); "
         "it must return the run's reward as a finite float")

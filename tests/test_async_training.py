@@ -52,14 +52,14 @@ def _plain_synchronous_loop(trainer, steps: int):
 def test_eta_zero_is_the_plain_synchronous_loop(megatron_world, tmp_path):
     """The controller at η = 0 is the synchronous loop: the same rewards, losses, entropies and
     gradient norms, bit for bit, as the loop written out by hand."""
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     steps = 10
     common = [f"trainer.total_steps={steps}", "trainer.progress=false", "trainer.save_final_checkpoint=false",
               "scheduler.max_staleness=0", "rollout.seed_by_request=true"]
-    plain = _plain_synchronous_loop(Trainer(load_config("tiny_cpu", [*common, f"trainer.run_dir={tmp_path / 'plain'}"])),
+    plain = _plain_synchronous_loop(build_trainer(load_config("tiny_cpu", [*common, f"trainer.run_dir={tmp_path / 'plain'}"])),
                                     steps)
-    Trainer(load_config("tiny_cpu", [*common, f"trainer.run_dir={tmp_path / 'controller'}"])).run()
+    build_trainer(load_config("tiny_cpu", [*common, f"trainer.run_dir={tmp_path / 'controller'}"])).run()
     controlled = [json.loads(line) for line in (tmp_path / "controller" / "metrics.jsonl").read_text().splitlines()]
     for key in ("reward/mean", "train/loss", "train/entropy", "train/grad_norm", "response/length_mean"):
         assert [m[key] for m in plain] == [m[key] for m in controlled], key
@@ -80,7 +80,7 @@ def test_eta_two_learns_within_its_bound(tmp_path):
 
 
 def test_engine_aborts_and_hanging_rewards_lose_no_prompt(megatron_world, tmp_path, monkeypatch):
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     # Every 29th reward call sleeps longer than reward.timeout_s: it must become a counted zero.
     # (Rewards run in worker processes, which import the function by its path.)
@@ -90,7 +90,7 @@ def test_engine_aborts_and_hanging_rewards_lose_no_prompt(megatron_world, tmp_pa
         "trainer.save_final_checkpoint=false", "scheduler.max_staleness=2", "algo.groups_per_batch=4",
         "algo.group_size=4", "reward.timeout_s=0.3", "reward.workers=2",
         "reward.fn=reward_functions:hangs_every_29th_call"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
 
     real_rollout = trainer.rollout_group
 

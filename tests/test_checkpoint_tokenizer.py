@@ -39,13 +39,13 @@ def test_training_from_a_checkpoint_uses_its_tokenizer_and_chat_template(megatro
     included) goes through the checkpoint's chat template."""
     from tokenizers import Tokenizer as HFTokenizer
 
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [f"model.path={hf_dir}", "data.name=gsm8k", f"data.path={GSM8K}", "data.template=qa",
                                    "data.max_prompt_tokens=200", "reward.name=gsm8k", "rollout.max_new_tokens=4",
                                    "trainer.total_steps=2", f"trainer.run_dir={tmp_path}", *SMALL_RUN])
     assert cfg.data.tokenizer == "model"
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     seen = []
     real_train_on = trainer.train_on
     trainer.train_on = lambda prompts, groups, version: seen.extend(prompts) or real_train_on(prompts, groups, version)
@@ -152,14 +152,14 @@ def test_validation_every_n_steps_is_logged_at_those_steps_and_after_a_resume(me
     only, in metrics.jsonl and TensorBoard; the run stopped at step 2 and resumed evaluates at 4."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     common = [f"trainer.run_dir={tmp_path}", "trainer.eval_interval=2", "eval.limit=6", "eval.samples=2",
               "algo.group_size=4", "algo.groups_per_batch=4", "learner.mini_batches=1", "trainer.progress=false",
               "scheduler.max_staleness=1"]
-    Trainer(load_config("tiny_cpu", [*common, "trainer.total_steps=2"])).run()
+    build_trainer(load_config("tiny_cpu", [*common, "trainer.total_steps=2"])).run()
     # Resumes from step 2 (no second checkpoint: one process saves with one learner's writer).
-    Trainer(load_config("tiny_cpu", [*common, "trainer.total_steps=4", "trainer.save_final_checkpoint=false"])).run()
+    build_trainer(load_config("tiny_cpu", [*common, "trainer.total_steps=4", "trainer.save_final_checkpoint=false"])).run()
     rows = _rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     evaluated = [r["step"] for r in rows if "eval/pass@1" in r]

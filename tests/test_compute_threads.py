@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import RootConfig
-from megatron_rl.trainer import compute_threads
+from megatron_rl.build import compute_threads
 
 
 @pytest.mark.parametrize("separate, overlap, expected", [

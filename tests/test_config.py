@@ -43,9 +43,9 @@ def test_a_path_from_the_home_folder_on_the_command_line(tmp_path, monkeypatch):
         ("trainer.total_steps=abc", "trainer.total_steps"),
         ("trainer.totl_steps=5", "totl_steps"),
         ("data.name=gsm8k", "data.path is required"),
-        ("learner.tp=2", "learner.tp=2 is not available yet"),
-        ("rollout.engines=4", "rollout.engines=4 is not available yet"),
-        ("learner.dp=2", "learner.dp=2 is not available yet"),
+        ("learner.tp=2", "learner.tp=2 is not available in one process"),
+        ("rollout.engines=4", "rollout.engines=4 is not available in one process"),
+        ("learner.dp=2", "learner.dp=2 is not available in one process"),
         ("data.distinct_digits=true data.digits=0123 data.max_digits=5", "exceeds the 4 distinct symbols"),
         ("model.path=/ckpt/qwen2", "model.path='/ckpt/qwen2' is not a directory"),
         ("rollout.max_new_tokens=100", "exceeds model.max_position_embeddings"),
@@ -197,18 +197,19 @@ def test_vllm_engine_is_accepted_where_vllm_is_installed():
 
 
 def test_torchrun_world_takes_every_algorithm_and_vllm_engines_by_broadcast():
-    from megatron_rl.checks import load_config
+    from megatron_rl.checks import WORLD, load_config
     from megatron_rl.config import ConfigError
 
-    assert load_config("tiny_cpu", ["algo.name=gae"], distributed=True).algo.name == "gae"
+    assert load_config("tiny_cpu", ["algo.name=gae"], WORLD).algo.name == "gae"
     # vLLM in the world: past the world checks (here it fails only for want of vLLM, or loads).
     try:
-        cfg = load_config("tiny_cpu", ["rollout.engine=vllm"], distributed=True)
+        cfg = load_config("tiny_cpu", ["rollout.engine=vllm"], WORLD)
         assert cfg.rollout.weight_transport == "broadcast"
     except ConfigError as err:
         assert "needs vLLM, which is not installed" in str(err)
-    with pytest.raises(ConfigError, match="rollout.weight_transport=file works for a vLLM engine in one process only"):
-        load_config("tiny_cpu", ["rollout.engine=vllm", "rollout.weight_transport=file"], distributed=True)
+    with pytest.raises(ConfigError, match="rollout.weight_transport=file with rollout.engine=vllm is not available in "
+                       "the torchrun world"):
+        load_config("tiny_cpu", ["rollout.engine=vllm", "rollout.weight_transport=file"], WORLD)
 
 
 @pytest.mark.parametrize("overrides, on", [

@@ -118,13 +118,13 @@ def test_run_stops_with_a_clear_error_when_the_engine_process_dies(megatron_worl
     retries), and the ledger still accounts for every admitted prompt."""
     from megatron_rl.checks import load_config
     from megatron_rl.scheduler.controller import RolloutsStopped
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [
         "trainer.total_steps=50", f"trainer.run_dir={tmp_path}", "trainer.progress=false",
         "trainer.save_final_checkpoint=false", "scheduler.max_staleness=1", "rollout.separate_process=true",
         "algo.groups_per_batch=4", "algo.group_size=4"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     kill_engine_after_step(trainer, 3, lambda: [trainer.engine._proc.pid])
     with pytest.raises(RolloutsStopped, match="engine process exited"):
         trainer.run()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.checks import load_config
+from megatron_rl.checks import ONE_PROCESS, WORLD, load_config
 
 from megatron_rl.config import ConfigError
 
@@ -20,18 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("overrides, distributed, message", [
-    (["learner.tp=2"], False, "learner.tp=2 is not available yet in one process"),
-    (["rollout.engines=2"], False, "rollout.engines=2 is not available yet in one process"),
-    (["rollout.placement=disaggregated"], False, "rollout.placement='disaggregated' is not available yet"),
+    (["learner.tp=2"], False, "learner.tp=2 is not available in one process (python -m megatron_rl.main)"),
+    (["rollout.engines=2"], False, "rollout.engines=2 is not available in one process"),
+    (["rollout.placement=disaggregated"], False, "rollout.placement=disaggregated is not available in one process"),
     (["algo.group_size=1"], False, "algo.group_size=1 must be >= 2: group-relative advantages"),
     (["learner.mini_batches=3"], False, "learner.mini_batches=3 must divide algo.groups_per_batch=16"),
     (["data.name=jsonl"], False, "data.path is required for data.name=jsonl"),
     (["scheduler.max_ahead_batches=0.5"], False, "is less than one batch, so no batch could ever fill"),
     (["rollout.device=cuda:0"], False, "rollout.device=cuda:0 places the embedded engine's own process"),
     (["rollout.device=cuda:1", "rollout.separate_process=true"], True,
-     "rollout.device=cuda:1 is for the single-process trainer"),
+     "rollout.device=cuda:1 is not available in the torchrun world (python -m megatron_rl.launch)"),
     (["rollout.engine=vllm", "rollout.weight_transport=file"], True,
-     "rollout.weight_transport=file works for a vLLM engine in one process only"),
+     "rollout.weight_transport=file with rollout.engine=vllm is not available in the torchrun world"),
     (["rollout.weight_transport=pipe"], False, "rollout.weight_transport='pipe': choose broadcast or file"),
     (["rollout.engine=vllm", "rollout.placement=colocated", "rollout.tp=2"], True,
      "a colocated vLLM engine serves from one learner rank's GPU"),
@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ])
 def test_config_error_text(overrides, distributed, message):
     with pytest.raises(ConfigError) as info:
-        load_config("tiny_cpu", overrides, distributed=distributed)
+        load_config("tiny_cpu", overrides, WORLD if distributed else ONE_PROCESS)
     assert message in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -255,7 +255,7 @@ def sandbox_env():
 
 def test_code_reward_refuses_a_weak_sandbox_unless_allowed(sandbox_env, tmp_path):
     from megatron_rl.telemetry.run_dir import make_run_dir
-    from megatron_rl.trainer import prepare_sandbox, uses_sandbox
+    from megatron_rl.build import prepare_sandbox, uses_sandbox
 
     cfg = load_config("tiny_cpu", ["reward.name=code", "sandbox.mode=rlimits"])
     with pytest.raises(ConfigError) as info:

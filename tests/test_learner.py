@@ -171,13 +171,13 @@ def test_kl_in_reward_charges_sequences_not_the_loss(megatron_world, tmp_path):
     import json
 
     from megatron_rl.checks import load_config
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [
         "trainer.total_steps=6", f"trainer.run_dir={tmp_path}", "trainer.progress=false",
         "trainer.save_final_checkpoint=false", "algo.groups_per_batch=4", "algo.group_size=4",
         "learner.mini_batches=2", "algo.kl_coef=0.05", "algo.kl_in_reward=true", "scheduler.max_staleness=0"])
-    Trainer(cfg).run()
+    build_trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     charges = [r["reward/kl_penalty_mean"] for r in rows]
     assert charges[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference

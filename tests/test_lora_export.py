@@ -105,14 +105,14 @@ def _tool(name: str, *args: str) -> subprocess.CompletedProcess:
 def test_trainer_export_hf_writes_the_adapters_as_peft_beside_the_merged_model(megatron_world, tmp_path):
     """Two LoRA steps from an HF model with trainer.export_hf: step_N/peft (naming model.path as
     its base) on the HF base, and step_N/hf (merged), both give the trained learner's logits."""
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     save_random_hf_model("qwen3", tmp_path / "hf")
     cfg = load_config("tiny_cpu", [f"model.path={tmp_path / 'hf'}", f"trainer.run_dir={tmp_path / 'run'}",
                                    "trainer.total_steps=2", "trainer.save_final_checkpoint=true",
                                    "trainer.export_hf=true", "scheduler.max_staleness=0", "lora.rank=4",
                                    "learner.lr=5e-2", *SMALL_RUN])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.run()
     learner = trainer.worker.learner
     ours, base_logits = _learner_logits(learner), _learner_logits(learner, base_only=True)

@@ -99,7 +99,7 @@ def test_lora_run_syncs_adapters_only(megatron_world, tmp_path, separate_process
     """tiny_cpu with LoRA, on-policy: each step's sync after the first carries the adapters alone,
     the engine's behaviour logprobs are the learner's and the sync probe agrees. lora.sync=merged
     sends the merged weights every step instead (InProcessTransport)."""
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
     from megatron_rl.weights.transports import InProcessTransport
 
     cfg = load_config("tiny_cpu", [
@@ -108,7 +108,7 @@ def test_lora_run_syncs_adapters_only(megatron_world, tmp_path, separate_process
         "algo.group_size=2", "learner.mini_batches=1", "lora.rank=4", "learner.lr=3e-2", "rollout.check_sync=true",
         "rollout.max_model_len=32",
         f"rollout.separate_process={str(separate_process).lower()}", f"lora.sync={sync}"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     assert isinstance(trainer.transport, AdapterTransport if sync == "adapters" else InProcessTransport)
     trainer.run()
     adapter_bytes = sum(p.numel() * 4 for n, p in trainer.worker.learner.module.named_parameters()

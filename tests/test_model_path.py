@@ -85,13 +85,13 @@ def test_run_from_hf_then_export_its_checkpoint_to_hf(megatron_world, tmp_path, 
 
     from megatron_rl.models.convert import megatron_to_hf_checkpoint
     from megatron_rl.models.hf_checkpoint import HFTensorReader
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     save_random_hf_model(family, tmp_path / "hf")
     cfg = load_config("tiny_cpu", [f"model.path={tmp_path / 'hf'}", f"trainer.run_dir={tmp_path / 'run'}",
                                    "trainer.total_steps=2", "trainer.save_final_checkpoint=true", "trainer.export_hf=true",
                                    "scheduler.max_staleness=0", *SMALL_RUN])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     trainer.run()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["train/behav_logprob_gap"] < 1e-5 for r in rows)

@@ -52,7 +52,7 @@ def test_registry_lists_the_expected_names(key):
 def test_registries_hold_the_stock_components():
     assert REWARDS["reverse_digits"] is digit_match and REWARDS["sort_digits"] is digit_match
     assert REWARDS["gsm8k"] is gsm8k_exact
-    assert ENGINES.get("embedded") is build_embedded and ENGINES.get("vllm") is build_vllm
+    assert ENGINES.get("embedded").build is build_embedded and ENGINES.get("vllm").build is build_vllm
     assert WORKFLOWS.get("single_turn") is single_turn_group
 
 
@@ -165,7 +165,7 @@ def test_generate_groups_runs_the_named_workflow():
 def test_trainer_runs_every_component_by_its_registered_name(megatron_world, tmp_path, monkeypatch):
     """One short run with each component registered under a new name that wraps a stock one: the
     trainer builds, rolls out, scores, estimates and trains through the names the config gives."""
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
     from reward_functions import counted_digit_match  # rewards run in worker processes: counted in a file
 
     monkeypatch.setenv("REWARD_TEST_DIR", str(tmp_path))
@@ -182,7 +182,7 @@ def test_trainer_runs_every_component_by_its_registered_name(megatron_world, tmp
         calls["workflow"] += 1
         return await single_turn_group(*args)
 
-    with registered(ENGINES, "test_engine", counted("engine", build_embedded)), \
+    with registered(ENGINES, "test_engine", replace(ENGINES.get("embedded"), build=counted("engine", build_embedded))), \
             registered(WORKFLOWS, "test_workflow", workflow), \
             registered(REWARDS, "test_reward", counted_digit_match), \
             registered(ADVANTAGE_ESTIMATORS, "test_adv", counted("advantages", ADVANTAGE_ESTIMATORS.get("grpo"))), \
@@ -192,7 +192,7 @@ def test_trainer_runs_every_component_by_its_registered_name(megatron_world, tmp
             "trainer.save_final_checkpoint=false", "algo.group_size=2", "algo.groups_per_batch=2",
             "learner.mini_batches=1", "rollout.engine=test_engine", "rollout.workflow=test_workflow",
             "reward.name=test_reward", "algo.name=test_adv", "algo.policy_loss=test_loss"])
-        trainer = Trainer(cfg)
+        trainer = build_trainer(cfg)
         trainer.run()
     assert calls["engine"] == 1
     assert calls["workflow"] >= 4  # 2 steps x 2 groups (more if a prompt ran ahead)

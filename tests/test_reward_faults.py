@@ -118,13 +118,13 @@ def test_gsm8k_reads_a_raw_reference_answer():
 
 def test_nan_rewards_are_errors_and_the_weights_stay_finite(tmp_path):
     from megatron_rl.checks import load_config
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     REWARDS.add("sometimes_nan", sometimes_nan)
     try:
         cfg = load_config("tiny_cpu", ["trainer.total_steps=2", f"trainer.run_dir={tmp_path}",
                                        "reward.name=sometimes_nan", "scheduler.max_staleness=0", *SMALL])
-        trainer = Trainer(cfg)
+        trainer = build_trainer(cfg)
         trainer.run()
     finally:
         REWARDS.remove("sometimes_nan")
@@ -249,12 +249,13 @@ def test_a_huge_reward_skips_the_steps_it_would_poison_and_stops_with_the_weight
     weights stay finite and no checkpoint is written with non-finite weights."""
     from megatron_rl.checks import load_config
     from megatron_rl.checks import validate
-    from megatron_rl.trainer import Trainer, TrainingStopped
+    from megatron_rl.build import build_trainer
+    from megatron_rl.trainer import TrainingStopped
 
     cfg = load_config("tiny_cpu", ["trainer.total_steps=6", f"trainer.run_dir={tmp_path}", "algo.name=dr_grpo",
                                    "reward.fn=reward_functions:huge", "reward.max_abs=null", "learner.max_skipped_steps=2",
                                    "scheduler.max_staleness=0", *SMALL])
-    trainer = Trainer(validate(cfg))
+    trainer = build_trainer(validate(cfg))
     with pytest.raises(TrainingStopped) as err:
         trainer.run()
     assert str(err.value) == (

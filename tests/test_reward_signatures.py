@@ -90,13 +90,13 @@ def _metrics(run_dir):
 
 
 def _train(run_dir, *overrides):
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [
         "trainer.total_steps=2", f"trainer.run_dir={run_dir}", "trainer.progress=false",
         "trainer.save_final_checkpoint=false", "algo.group_size=2", "algo.groups_per_batch=2",
         "learner.mini_batches=1", "scheduler.max_staleness=0", "data.name=file", *overrides])
-    return Trainer(validate(cfg)).run()
+    return build_trainer(validate(cfg)).run()
 
 
 def test_signatures_are_told_apart_at_config_time(rewards_pkg):

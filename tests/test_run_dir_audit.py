@@ -11,10 +11,10 @@ ETA = 2
 
 def test_staleness_bound_audited_from_the_run_directory(tmp_path):
     from megatron_rl.checks import load_config
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     steps = 4
-    Trainer(load_config("tiny_cpu", [
+    build_trainer(load_config("tiny_cpu", [
         f"trainer.total_steps={steps}", f"trainer.run_dir={tmp_path}", f"scheduler.max_staleness={ETA}",
         "trainer.progress=false", "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1",
         "trainer.save_final_checkpoint=false"])).run()

@@ -30,13 +30,13 @@ def test_plot_metrics_draws_a_real_run_into_the_file_named(tmp_path, monkeypatch
     from PIL import Image
 
     from megatron_rl.checks import load_config
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     sys.path.insert(0, str(TOOLS))
     import plot_metrics
 
     run_dir = tmp_path / "run"
-    Trainer(load_config("tiny_cpu", ["trainer.total_steps=3", f"trainer.run_dir={run_dir}", "trainer.progress=false",
+    build_trainer(load_config("tiny_cpu", ["trainer.total_steps=3", f"trainer.run_dir={run_dir}", "trainer.progress=false",
                                      "algo.group_size=2", "algo.groups_per_batch=2", "learner.mini_batches=1",
                                      "trainer.save_final_checkpoint=false"])).run()
     with (run_dir / "metrics.jsonl").open("a") as fh:

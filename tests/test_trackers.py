@@ -22,9 +22,9 @@ SMALL = ["trainer.progress=false", "algo.group_size=2", "algo.groups_per_batch=2
 
 
 def _train(run_dir: Path, steps: int, *extra: str) -> None:
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
-    Trainer(load_config("tiny_cpu", [f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", *SMALL,
+    build_trainer(load_config("tiny_cpu", [f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", *SMALL,
                                      *extra])).run()
 
 

@@ -56,13 +56,13 @@ def user_rewards(tmp_path, monkeypatch):
 
 
 def _train(tmp_path, reward_fn):
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu", [
         "trainer.total_steps=1", f"trainer.run_dir={tmp_path / 'run'}", "trainer.progress=false",
         "trainer.save_final_checkpoint=false", "algo.group_size=2", "algo.groups_per_batch=2",
         "learner.mini_batches=1", "scheduler.max_staleness=0", f"reward.fn={reward_fn}"])
-    return Trainer(validate(cfg)).run()
+    return build_trainer(validate(cfg)).run()
 
 
 @pytest.mark.parametrize("name, call", [("score", "sync"), ("ascore", "async")])

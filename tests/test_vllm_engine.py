@@ -298,12 +298,12 @@ def test_run_stops_with_one_clear_error_when_the_vllm_engine_dies(megatron_world
     queue, and the run ends with RolloutsStopped naming the dead engine (no hang, no retries)."""
     from megatron_rl.checks import load_config
     from megatron_rl.scheduler.controller import RolloutsStopped
-    from megatron_rl.trainer import Trainer
+    from megatron_rl.build import build_trainer
 
     cfg = load_config("tiny_cpu_vllm", ["trainer.total_steps=50", f"trainer.run_dir={tmp_path}",
                                    "trainer.progress=false", "trainer.save_final_checkpoint=false",
                                    "algo.groups_per_batch=4", "algo.group_size=4"])
-    trainer = Trainer(cfg)
+    trainer = build_trainer(cfg)
     kill_engine_after_step(trainer, 3, trainer.engine.engine_pids)
     with pytest.raises(RolloutsStopped, match="vLLM engine core is dead") as info:
         trainer.run()

@@ -25,6 +25,7 @@ from megatron_rl.weights.transports import (TRANSPORTS, BroadcastSender, Channel
     ("vllm", "disaggregated", "vllm_channel", BroadcastSender, ChannelReceiver),
     ("a_plugin_engine", "one_process", "in_process", None, None),
     ("a_plugin_engine", "colocated", "colocated", LocalEngineSender, None),
+    ("a_plugin_engine", "disaggregated", "world_broadcast", BroadcastSender, WorldReceiver),
 ])
 def test_each_engine_kind_and_placement_has_its_transport(kind, placement, name, sender, receiver):
     entry = transport_for(kind, placement)
@@ -32,10 +33,10 @@ def test_each_engine_kind_and_placement_has_its_transport(kind, placement, name,
 
 
 def test_the_registry_holds_no_combination_the_test_above_does_not_name():
-    assert len(TRANSPORTS) == 8  # the six above and any other engine in one process or colocated
+    assert len(TRANSPORTS) == 9  # the six above and any other engine in each placement
 
 
-@pytest.mark.parametrize("kind, placement", [("sglang", "disaggregated"), ("embedded", "elsewhere")])
+@pytest.mark.parametrize("kind, placement", [("sglang", "elsewhere"), ("embedded", "elsewhere")])
 def test_an_unknown_combination_is_refused_with_one_line_naming_it(kind, placement):
     with pytest.raises(ConfigError) as err:
         transport_for(kind, placement)

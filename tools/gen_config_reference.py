@@ -85,7 +85,7 @@ def collect_fields() -> Tuple[List[Tuple[str, str, List[Field]]], List[str]]:
     """Sections (group, class docstring, fields) and the keys that have no description."""
     sys.path.insert(0, str(ROOT))
     from megatron_rl.config import schema
-    from megatron_rl.checks import ALLOWED, NOT_YET, allowed
+    from megatron_rl.checks import ALLOWED, allowed
 
     classes, docs, groups = parse_schema(SCHEMA.read_text())
     root = schema.RootConfig()
@@ -100,7 +100,6 @@ def collect_fields() -> Tuple[List[Tuple[str, str, List[Field]]], List[str]]:
             choices = ""
             if key in ALLOWED:
                 values = list(allowed(key))
-                values += [f"{v} (see description)" for (k, v) in NOT_YET if k == key and v not in values]
                 choices = ", ".join(values)
             if not comment:
                 missing.append(key)

@@ -205,7 +205,7 @@ class LoraConfig:
 
 @dataclass
 class RolloutConfig:
-    # embedded | vllm (a builder in rollout/build.py's ENGINES)
+    # embedded | vllm (an entry in rollout/build.py's ENGINES: how it is built, hosted and checked)
     engine: str = "embedded"
     # How a prompt becomes its group of trajectories: single_turn (one response per sample), an
     # agent by name (calculator_agent) or by import path (my_pkg.agents:MyAgent); docs/agents.md.
@@ -257,7 +257,8 @@ class RolloutConfig:
     # one-engine run). Costs one hash per vocab entry per row per decode step.
     seed_by_request: bool = False
     # Run the embedded engine in a child process: its own Python interpreter, so on a CPU its
-    # decode loop and the learner's step do not take turns on one interpreter lock.
+    # decode loop and the learner's step do not take turns on one interpreter lock. (In the
+    # torchrun world every engine has a process of its own: a learner rank's child, or its rank.)
     separate_process: bool = False
     # Where that engine process computes: auto (the learner's device) | cuda:N (GPU N, e.g. cuda:1
     # for learner on cuda:0 and engine on cuda:1: disaggregated on one machine). Needs

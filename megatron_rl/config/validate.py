@@ -15,19 +15,30 @@ from ..errors import ConfigError
 from .schema import RootConfig
 
 __all__ = [
-    "ConfigError", "EVAL_SETS", "NOT_YET", "check_batch_split", "check_choice", "check_coefficients",
-    "check_context", "check_data_digits", "check_eval", "check_finite", "check_model_shape",
-    "check_moe_layer_pattern",
-    "check_one_process", "check_positives", "check_reward_bounds", "check_top_p", "check_weight_sync",
-    "validate_eval",
+    "ConfigError", "EVAL_SETS", "ONE_PROCESS", "PLACEMENTS", "WORLD", "check_batch_split", "check_choice",
+    "check_coefficients", "check_context", "check_data_digits", "check_eval", "check_finite", "check_model_shape",
+    "check_moe_layer_pattern", "check_placement", "check_positives", "check_reward_bounds", "check_top_p",
+    "check_weight_sync", "refuse", "validate_eval",
 ]
 
-# Values that the design names but this release does not run yet: say so instead of "invalid".
-NOT_YET = {
-    ("rollout.placement", "disaggregated"): "in one process; launch the torchrun world split "
-    "(`torchrun --nproc-per-node N -m megatron_rl.launch ... rollout.placement=disaggregated`) "
-    "or use rollout.placement=colocated",
+# Where a run's processes are: the checks see it, so a key means the same in every placement or
+# is refused with one line naming the placement (``refuse``).
+ONE_PROCESS = "one_process"   # python -m megatron_rl.main: learner, engine and driver in one process
+WORLD = "world"               # python -m megatron_rl.launch under torchrun: ranks placed by the planner
+PLACEMENTS = {
+    ONE_PROCESS: "in one process (python -m megatron_rl.main)",
+    WORLD: "in the torchrun world (python -m megatron_rl.launch)",
 }
+
+
+def refuse(setting: str, placement: str, fix: str) -> ConfigError:
+    """The one line that refuses ``setting`` (``key=value``, or several) in ``placement``."""
+    return ConfigError(f"{setting} is not available {PLACEMENTS[placement]}: {fix}")
+
+
+def check_placement_name(placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement={placement!r}: choose one of {', '.join(PLACEMENTS)}")
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -38,13 +49,10 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def check_choice(cfg: Any, key: str, choices: Tuple[str, ...]) -> None:
-    """Config key ``key`` holds one of ``choices`` (or a value announced in NOT_YET)."""
+    """Config key ``key`` holds one of ``choices``."""
     value = _get(cfg, key)
     if value in choices:
         return
-    hint = NOT_YET.get((key, value))
-    if hint:
-        raise ConfigError(f"{key}={value!r} is not available yet: {hint}")
     raise ConfigError(f"{key}={value!r} is not allowed; choose one of {', '.join(choices)}")
 
 
@@ -240,28 +248,29 @@ def check_eval(cfg: RootConfig) -> None:
         validate_eval(cfg)
 
 
-def check_weight_sync(cfg: RootConfig, distributed: bool) -> None:
-    """rollout.weight_transport and its timeout, and what vLLM in the torchrun world allows."""
+def check_weight_sync(cfg: RootConfig) -> None:
+    """rollout.weight_transport and its timeout (what an engine allows is its entry's check)."""
     if cfg.rollout.weight_transport not in ("broadcast", "file"):
         raise ConfigError(f"rollout.weight_transport={cfg.rollout.weight_transport!r}: choose broadcast or file")
     if not cfg.rollout.weight_timeout_s > 0:
         raise ConfigError(f"rollout.weight_timeout_s={cfg.rollout.weight_timeout_s} must be > 0 (seconds)")
-    if distributed and cfg.rollout.engine == "vllm" and cfg.rollout.placement == "colocated" and cfg.rollout.tp != 1:
-        raise ConfigError(f"rollout.tp={cfg.rollout.tp} with rollout.placement=colocated and vLLM: a colocated "
-                          "vLLM engine serves from one learner rank's GPU; use rollout.tp=1, or "
-                          "rollout.placement=disaggregated for tensor-parallel vLLM engines")
-    if distributed and cfg.rollout.engine == "vllm" and cfg.rollout.weight_transport == "file":
-        raise ConfigError("rollout.weight_transport=file works for a vLLM engine in one process only; in the "
-                          "torchrun world the learners broadcast weights to vLLM's workers: use "
-                          "rollout.weight_transport=broadcast")
 
 
-def check_one_process(cfg: RootConfig, distributed: bool) -> None:
-    """Multi-rank sizes need the torchrun world split (``python -m megatron_rl.launch``)."""
-    for key in ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
-                "rollout.engines"):
-        if not distributed and _get(cfg, key) not in (None, 1):
-            raise ConfigError(
-                f"{key}={_get(cfg, key)} is not available yet in one process: launch the torchrun "
-                f"world split (`torchrun --nproc-per-node N -m megatron_rl.launch ...`) or use {key}=1"
-            )
+# Sizes that need ranks of a torchrun world: one process holds one learner and one engine.
+MULTI_RANK_KEYS = ("learner.tp", "learner.pp", "learner.ep", "learner.cp", "learner.dp", "rollout.tp",
+                   "rollout.engines")
+
+
+def check_placement(cfg: RootConfig, placement: str) -> None:
+    """What one process cannot hold: multi-rank sizes and engines on ranks of their own."""
+    check_placement_name(placement)
+    if placement != ONE_PROCESS:
+        return
+    for key in MULTI_RANK_KEYS:
+        if _get(cfg, key) not in (None, 1):
+            raise refuse(f"{key}={_get(cfg, key)}", ONE_PROCESS, "launch the torchrun world "
+                         f"(`torchrun --nproc-per-node N -m megatron_rl.launch ...`) or use {key}=1")
+    if cfg.rollout.placement == "disaggregated":
+        raise refuse("rollout.placement=disaggregated", ONE_PROCESS, "launch the torchrun world "
+                     "(`torchrun --nproc-per-node N -m megatron_rl.launch ... rollout.placement=disaggregated`) "
+                     "or use rollout.placement=colocated")

@@ -41,7 +41,7 @@ def _parse(args: List[str]):
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from ..checks import load_config
+    from ..checks import WORLD, load_config
     from ..errors import ConfigError
     from ..config.load import recipe_name
     from ..errors import USAGE_EXIT, UserError, report
@@ -61,7 +61,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) if per_node is None else per_node
     try:
-        cfg = load_config(recipe, overrides, distributed=True)
+        cfg = load_config(recipe, overrides, WORLD)
         cfg.trainer.recipe = recipe_name(recipe, cfg.trainer.recipe)
         plan = plan_for(cfg, world, per_node)
         if cfg.learner.cp > 1 and not dry_run:

@@ -1,16 +1,18 @@
 """One RL job over a torchrun world: every rank takes its role from the placement plan.
 
-- **driver** (rank 0, a learner rank): runs the ``Trainer``, the same driver as a one-process
-  run: data, the staleness-bounded controller, rewards, metrics, checkpoints. It reaches every
-  engine through a ``RemoteEngine`` (the RolloutEngine interface over TCP) and the other learner
-  ranks through a ``LearnerGroup``.
+- **driver** (rank 0, a learner rank): composes the run with the same root as a one-process run
+  (``megatron_rl/build.py``) and runs the same ``Trainer``: data, the staleness-bounded
+  controller, rewards, metrics, checkpoints. It reaches every engine through a ``RemoteEngine``
+  (the RolloutEngine interface over TCP) and the other learner ranks through a ``LearnerGroup``.
 - **learner ranks**: build the same ``LearnerWorker`` and replay the driver's learner calls
   (train, send weights, save, resume), so Megatron's TP/PP/EP/DP collectives meet.
-- **engine ranks** (disaggregated): serve an embedded engine to the driver; new weights come
-  over the weight-sync groups, received on a thread while the engine keeps generating, and are
-  swapped in whole (pause(keep), load, resume).
-- **colocated**: every learner rank also hosts an engine (a child process), served to the driver
-  the same way; weights are gathered on each rank and loaded through shared memory.
+- **engine ranks** (disaggregated): serve the engine that ``rollout.engine``'s registry entry
+  builds on an engine rank (rollout/build.py); new weights come over the weight-sync groups,
+  received on a thread while the engine keeps generating, and are swapped in whole (pause(keep),
+  load, resume), or, for an entry whose weights come by channel (vLLM), through its workers.
+- **colocated**: every learner rank also hosts an engine (the entry's ``on_learner_rank``: for
+  the embedded engine a child process), served to the driver the same way; weights are gathered
+  on each rank and loaded through shared memory.
 
 Groups: Megatron's learner layout, the weight-sync groups, and a gloo control group of the
 learner ranks that carries the driver's calls. Every group is made with
@@ -46,7 +48,8 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     """Every rank of the world calls this; the driver returns the run's summary."""
     from ..data.build import build_data
     from ..models.pretrained import vocab_size_for
-    from ..trainer import seed_everything
+    from ..build import seed_everything
+    from ..rollout.build import CHANNEL, engine_entry
 
     lc = cfg.learner
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
@@ -64,10 +67,10 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     vocab = vocab_size_for(cfg.model, tokenizer.vocab_size, lc.tp)
     if role == "engine":
         me = plan.ranks[rank]
-        if cfg.rollout.engine == "vllm":
-            _serve_vllm_engine_rank(cfg, plan, vocab, host, authkey, me.engine or 0, me.engine_member or 0)
+        if engine_entry(cfg).weights == CHANNEL:
+            _serve_channel_engine_rank(cfg, plan, vocab, host, authkey, me.engine or 0, me.engine_member or 0)
         else:
-            _serve_engine_rank(cfg, vocab, sync, host, authkey, me.engine or 0)
+            _serve_engine_rank(cfg, plan, vocab, sync, host, authkey, me.engine or 0)
         return None
 
     from ..learner.group import LearnerGroup, serve_learner
@@ -90,25 +93,18 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
             serve_learner(worker, control)
             return None
         return _drive(cfg, plan, worker, LearnerGroup(worker, control, plan.learner_ranks), ranks, authkey,
-                      (tokenizer, prompts), colocated)
+                      (tokenizer, prompts))
     finally:
         if hosted:
             hosted.close()
 
 
-def _drive(cfg: RootConfig, plan: Plan, worker, learners, ranks: List[Dict], authkey: bytes, data,
-           colocated: bool) -> Dict[str, float]:
-    from ..rollout.pool import EnginePool
-    from ..rollout.remote import RemoteEngine
-    from ..trainer import Trainer, WorldPlacement
+def _drive(cfg: RootConfig, plan: Plan, worker, learners, ranks: List[Dict], authkey: bytes,
+           data) -> Dict[str, float]:
+    """The driver: the same composition root and Trainer as one process, given what the ranks built."""
+    from ..build import WorldRanks, build_trainer
 
-    heads = list(plan.learner_ranks) if colocated else [group[0] for group in plan.engine_groups]
-    engines = [RemoteEngine(ranks[r]["engine_address"], authkey, r, call_timeout_s=cfg.trainer.rank_timeout_s)
-               for r in heads]
-    pool = EnginePool(engines) if len(engines) > 1 else engines[0]
-    world = WorldPlacement(worker, learners, pool, data, colocated=colocated,
-                           remote_engines=[] if colocated else engines, table=plan.table(), ranks=ranks)
-    return Trainer(cfg, world).run()
+    return build_trainer(cfg, WorldRanks(worker, learners, data, ranks, authkey), plan).run()
 
 
 def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
@@ -116,11 +112,12 @@ def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
     ranks of the world and receive over its groups (collective: every rank builds them). vLLM's
     workers are processes of vLLM's own, so each stage's source hosts a weight channel they join;
     returns (this rank's sync groups, the channel addresses it hosts)."""
+    from ..rollout.build import CHANNEL, engine_entry
     from ..weights.sync import SyncTopology, build_channel_groups, build_sync_groups
 
     topology = SyncTopology(plan.sync_sources, plan.engine_ranks)
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
-    if cfg.rollout.engine != "vllm":
+    if engine_entry(cfg).weights != CHANNEL:
         return build_sync_groups(topology, timeout), []
     if role != "learner":
         return None, []
@@ -131,30 +128,37 @@ def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
 
 
 # ---------------------------------------------------------------------------- engine ranks
-def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, authkey: bytes,
-                            engine_index: int, member: int) -> None:
-    """The first rank of an engine's ``rollout.tp`` ranks hosts vLLM (its engine core and
-    workers are processes of vLLM's own, on the GPUs of all the engine's ranks), served to the
-    driver like an embedded engine. Its workers join the learners' weight channels and receive
-    each version while the engine keeps generating. The engine's other ranks only lend their GPU."""
+def _rank_cores(cfg: RootConfig, plan: Plan) -> int:
+    """Intra-op threads of an engine rank's engine: this node's cores (the job's allocation, like
+    every rank's) shared among the node's ranks."""
+    from ..lifetime import available_cores
+
+    return max(1, (cfg.trainer.cpu_threads or available_cores()) // plan.gpus_per_node)
+
+
+def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, authkey: bytes,
+                               engine_index: int, member: int) -> None:
+    """An engine whose entry's weights come by CHANNEL (vLLM): the first rank of an engine's
+    ``rollout.tp`` ranks hosts it (its engine core and workers are processes of its own, on the
+    GPUs of all the engine's ranks), served to the driver like any engine. Its workers join the
+    learners' weight channels and receive each version while the engine keeps generating. The
+    engine's other ranks only lend their GPU."""
+    from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
-    from ..rollout.vllm import VLLMEngine
     from ..weights.transports import ChannelLinks, engine_receiver
 
-    if member != 0:
+    entry = engine_entry(cfg)
+    if entry.first_rank_hosts and member != 0:
         _all_gather_ranks("engine")
         return
     _leave_stops_to_the_driver()
     r = cfg.rollout
     group = plan.engine_groups[engine_index]
     gpus = [plan.ranks[g].local_rank for g in group] if torch.cuda.is_available() else None
-    cores = cfg.trainer.cpu_threads or os.cpu_count() or 1
-    engine = VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
-                        cpu_threads=max(1, cores // plan.gpus_per_node), tp=r.tp, gpu_ids=gpus,
-                        weight_timeout_s=r.weight_timeout_s)
+    engine = entry.on_engine_rank(cfg, vocab, cfg.trainer.seed + 1 + engine_index, _rank_cores(cfg, plan), gpus)
     listener = EngineListener(host, authkey)
-    everyone = _all_gather_ranks("engine", listener.address, (engine.engine_pids() or [None])[0])
+    everyone = _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     addresses = [a for _, a in sorted((stage, tuple(a)) for info in everyone for stage, a in info["channels"])]
     timeline = _RankTimeline()
     receive = engine_receiver("vllm", engine, ChannelLinks(tuple(addresses), 1 + engine_index * r.tp), timeline.span)
@@ -165,21 +169,24 @@ def _serve_vllm_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, 
         engine.kill()  # the server shut it down, unless it failed on the way: no vLLM process stays
 
 
-def _serve_engine_rank(cfg: RootConfig, vocab: int, sync, host: str, authkey: bytes, engine_index: int) -> None:
-    """An engine rank: an embedded engine served to the driver until it says shutdown (or its
-    connection closes). It stops only when the driver stops it: a stop signal is the driver's to
-    act on (it checkpoints after the step, which needs the engines)."""
-    from ..rollout.embedded import EmbeddedEngine, engine_options
+def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str, authkey: bytes,
+                       engine_index: int) -> None:
+    """An engine rank: the engine its entry builds on an engine rank (the embedded engine, in
+    this rank's process), served to the driver until it says shutdown (or its connection
+    closes); weights arrive over the world's weight-sync groups. It stops only when the driver
+    stops it: a stop signal is the driver's to act on (it checkpoints after the step, which
+    needs the engines)."""
+    from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
     from ..weights.transports import engine_receiver
 
     _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).
-    engine = EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=cfg.trainer.seed + 1 + engine_index,
-                            **engine_options(cfg))
+    engine = engine_entry(cfg).on_engine_rank(cfg, vocab, cfg.trainer.seed + 1 + engine_index,
+                                              _rank_cores(cfg, plan), None)
     listener = EngineListener(host, authkey)
-    _all_gather_ranks("engine", listener.address)
+    _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     timeline = _RankTimeline()
     receive = engine_receiver("embedded", engine, sync, timeline.span)
     conn = listener.accept()
@@ -211,29 +218,21 @@ class _RankTimeline:
 
 # ---------------------------------------------------------------------------- colocated
 class _HostedEngine:
-    """Colocated placement: this learner rank's engine, served to the driver from an event loop
-    on a thread of this rank, beside the learner that loads its weights: an embedded engine in a
-    child process (its own interpreter, on this rank's GPU), or vLLM (whose engine core is a
-    process of its own; its worker joins a weight channel this rank hosts, and sleeps while the
-    learner trains at η = 0 -- a no-op on CPUs)."""
+    """Colocated placement: this learner rank's engine, the one its entry builds on a learner
+    rank, served to the driver from an event loop on a thread of this rank, beside the learner
+    that loads its weights: an embedded engine in a child process (its own interpreter, on this
+    rank's GPU), or vLLM (whose engine core is a process of its own; its worker joins a weight
+    channel this rank hosts, and sleeps while the learner trains at η = 0 -- a no-op on CPUs)."""
 
     def __init__(self, cfg: RootConfig, vocab: int, host: str, authkey: bytes):
-        from ..rollout.embedded import EngineProcess, engine_options
+        from ..rollout.build import engine_entry
         from ..rollout.remote import EngineListener
 
         seed = cfg.trainer.seed + 1 + dist.get_rank()
         # this rank's GPU (the child would otherwise start on cuda:0)
         gpu = torch.cuda.current_device() if torch.cuda.is_available() else None
-        if cfg.rollout.engine == "vllm":
-            from ..rollout.vllm import VLLMEngine
-
-            self.engine = VLLMEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
-                                     gpu_ids=None if gpu is None else [gpu], weight_timeout_s=cfg.rollout.weight_timeout_s)
-            self.engine_pid = (self.engine.engine_pids() or [None])[0]
-        else:
-            self.engine = EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=1,
-                                        device_index=gpu, **engine_options(cfg))
-            self.engine_pid = self.engine.pid
+        self.engine = engine_entry(cfg).on_learner_rank(cfg, vocab, seed, 1, None if gpu is None else [gpu])
+        self.engine_pid = (self.engine.pids() or [None])[0]
         self.listener = EngineListener(host, authkey)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="hosted-engine", daemon=True)

@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, List, Sequence
 
 from ..types import SamplingParams, Trajectory
+from .workflow import Workflow
 
 if TYPE_CHECKING:
     from ..data.datasets import Prompt
 
 
-class DatasetResponses:
+class DatasetResponses(Workflow):
     """A group workflow: one trajectory per request id with the row's own response."""
 
     # The trainer scores nothing: an SFT sample's reward is not a signal.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+from ..config.validate import WORLD, refuse
 from ..errors import ConfigError
 
 AUTO = "auto"
@@ -47,7 +48,7 @@ def resolve_engine_device(spec: str, gpu_count: int) -> Optional[int]:
     return index
 
 
-def check_engine_device(rollout_cfg, distributed: bool) -> None:
+def check_engine_device(rollout_cfg, placement: str) -> None:
     """rollout.device: its syntax and the settings it needs. Whether the GPU exists is checked
     where the engine starts (a config may be written on a machine without GPUs)."""
     r = rollout_cfg
@@ -57,9 +58,9 @@ def check_engine_device(rollout_cfg, distributed: bool) -> None:
         raise ConfigError(str(err)) from None
     if index is None:
         return
-    if distributed:
-        raise ConfigError(f"rollout.device={r.device} is for the single-process trainer; the torchrun launcher "
-                          "places engines by rank (rollout.placement), so leave rollout.device=auto")
+    if placement == WORLD:
+        raise refuse(f"rollout.device={r.device}", WORLD, "the launcher places engines by rank "
+                     "(rollout.placement), so leave rollout.device=auto")
     if r.engine != "embedded" or not r.separate_process:
         raise ConfigError(f"rollout.device={r.device} places the embedded engine's own process: it needs "
                           "rollout.engine=embedded and rollout.separate_process=true")

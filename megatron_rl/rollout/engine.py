@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -15,8 +16,53 @@ class EngineError(RuntimeError):
     """An engine could not serve a request (it died, was misused, or was given bad input)."""
 
 
+@dataclass
+class EngineStats:
+    """What an engine counts, read by the driver after each step (engine/* metrics)."""
+    requests: int = 0
+    tokens: int = 0
+    compute_s: float = 0.0
+    prefills: int = 0       # batches (re)built from slot 0: first batch, offset exhausted, new weights
+    admissions: int = 0     # waiting requests prefilled into the running batch
+    decode_steps: int = 0
+    decode_rows: int = 0    # running rows summed over decode steps (occupancy = rows / steps)
+    # Compute seconds by kind of model call (compute_s is their sum).
+    prefill_s: float = 0.0
+    admit_s: float = 0.0
+    decode_s: float = 0.0
 class RolloutEngine(abc.ABC):
-    """An asynchronous generation engine holding one version of the policy weights."""
+    """An asynchronous generation engine holding one version of the policy weights.
+
+    Besides the calls below, the driver reads ``stats`` (counters), ``failure`` (why the engine
+    is gone) and ``engines`` (the engines behind this one): each has a default here, so that an
+    engine which does not count, cannot die apart from its caller or fronts no others need not
+    say so."""
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters since the engine started (an engine that counts nothing reads zeros)."""
+        return self.__dict__.setdefault("_engine_stats", EngineStats())
+
+    @stats.setter
+    def stats(self, value: EngineStats) -> None:
+        self.__dict__["_engine_stats"] = value
+
+    @property
+    def failure(self) -> Optional[str]:
+        """Why the engine is gone, once it is (None while it serves, or where it cannot tell)."""
+        return None
+
+    @property
+    def engines(self) -> List["RolloutEngine"]:
+        """The engines this one fronts (a pool's members); an engine alone is its own."""
+        return [self]
+
+    def pids(self) -> List[int]:
+        """The processes of its own that it computes in (none: it computes in its caller's), for
+        the world's list of which process is which."""
+        return []
+
+
 
     @abc.abstractmethod
     def generate(self, request_id: str, prompt_ids: Sequence[int],
@@ -123,7 +169,7 @@ async def failure_within(engine: RolloutEngine, seconds: float, poll_s: float = 
     peer is gone) before the engine's rank has noticed, and reported, that its engine died."""
     deadline = asyncio.get_running_loop().time() + seconds
     while True:
-        failure = getattr(engine, "failure", None)
+        failure = engine.failure
         if failure or asyncio.get_running_loop().time() >= deadline:
             return failure or None
         await asyncio.sleep(poll_s)

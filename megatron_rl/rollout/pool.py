@@ -24,7 +24,7 @@ class EnginePool(RolloutEngine):
     def __init__(self, engines: Sequence[RolloutEngine]):
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
-        self.engines = list(engines)
+        self._members = list(engines)
         self._load = [0] * len(self.engines)        # requests outstanding, per engine
         self._owner: Dict[str, int] = {}            # request id -> engine index
 
@@ -67,7 +67,7 @@ class EnginePool(RolloutEngine):
                 self._owner.pop(rid, None)
 
     def _live(self) -> List[RolloutEngine]:
-        return [e for e in self.engines if not getattr(e, "failure", None)]
+        return [e for e in self.engines if not e.failure]
 
     async def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
         """Abort on the engines still serving (a dead engine's requests have failed already)."""
@@ -128,9 +128,13 @@ class EnginePool(RolloutEngine):
 
     # ------------------------------------------------------------------ state
     @property
+    def engines(self) -> List[RolloutEngine]:
+        return self._members
+
+    @property
     def failure(self) -> Optional[str]:
         for engine in self.engines:
-            failure = getattr(engine, "failure", None)
+            failure = engine.failure
             if failure:
                 return failure
         return None

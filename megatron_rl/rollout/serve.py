@@ -179,7 +179,7 @@ class EngineServer:
     def report_failure(self) -> None:
         """Once the engine says it is gone (``failure``), tell the client: a failed request alone
         does not say whether the engine can still serve others."""
-        reason = getattr(self.engine, "failure", None)
+        reason = self.engine.failure
         if reason and not self._failure_reported:
             self._failure_reported = True
             self.outbox.post(("engine_failed", reason))

@@ -4,6 +4,7 @@ an agent's import path (``my_pkg.agents:MyAgent``, see rollout/agent/)."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -23,6 +24,34 @@ if TYPE_CHECKING:  # for annotations only: config validation imports this module
 # fn(engine, prompt, params, request_ids) -> one Trajectory per request id, in order.
 GroupWorkflow = Callable[["RolloutEngine", "Prompt", SamplingParams, Sequence[str]], Awaitable[List[Trajectory]]]
 WORKFLOWS: Registry[GroupWorkflow] = Registry("workflow")
+
+
+class Workflow(abc.ABC):
+    """What the driver runs per prompt: ``await workflow(engine, prompt, params, request_ids)``
+    gives one Trajectory per request id. ``sets_rewards``: its runs score themselves (agents,
+    dataset responses), so the driver calls no reward on them; ``close`` releases what it
+    started (an agent's chat server) on the driver's event loop."""
+
+    sets_rewards: bool = False
+
+    @abc.abstractmethod
+    async def __call__(self, engine: "RolloutEngine", prompt: "Prompt", params: SamplingParams,
+                       request_ids: Sequence[str]) -> List[Trajectory]:
+        """The group of ``prompt``: one trajectory per request id, in order."""
+
+    async def close(self) -> None:
+        """Release what the workflow started (nothing, unless it says otherwise)."""
+
+
+class RegisteredWorkflow(Workflow):
+    """A WORKFLOWS function as a Workflow."""
+
+    def __init__(self, fn: GroupWorkflow):
+        self.fn = fn
+
+    async def __call__(self, engine: "RolloutEngine", prompt: "Prompt", params: SamplingParams,
+                       request_ids: Sequence[str]) -> List[Trajectory]:
+        return await self.fn(engine, prompt, params, request_ids)
 
 
 def _trajectory(prompt: Prompt, index: int, response: GenerationChunk,
@@ -88,11 +117,11 @@ def is_agent(name: str) -> bool:
 
 
 def build_workflow(name: str, tokenizer: Any = None, max_context: int = 0, turn_discount: float = 1.0,
-                   agent_args: Optional[Mapping[str, Any]] = None) -> GroupWorkflow:
+                   agent_args: Optional[Mapping[str, Any]] = None) -> Workflow:
     """The group workflow ``rollout.workflow`` names; an agent (constructed with ``agent_args``)
     gets a chat server with the tokenizer (its chat template) and the model's context length."""
     if not is_agent(name):
-        return WORKFLOWS.get(name)
+        return RegisteredWorkflow(WORKFLOWS.get(name))
     from .agent import AgentWorkflow
 
     return AgentWorkflow(resolve_agent(name, agent_args), tokenizer, max_context, turn_discount)

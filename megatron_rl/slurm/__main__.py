@@ -98,7 +98,9 @@ def parse(args: List[str]) -> JobSpec:
 
     per_node = job.get("procs_per_node") or max(1, job.get("gpus_per_node", 0))
     world = job.get("nodes", 1) * per_node
-    cfg = load_config(recipe, overrides, distributed=world > 1)
+    from ..checks import ONE_PROCESS, WORLD
+
+    cfg = load_config(recipe, overrides, WORLD if world > 1 else ONE_PROCESS)
     try:
         plan_for(cfg, world, per_node)
     except PlacementError as err:

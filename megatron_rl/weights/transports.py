@@ -274,10 +274,12 @@ TRANSPORTS: Dict[Tuple[str, str], TransportEntry] = {
     ("vllm", "colocated"): TransportEntry(ColocatedTransport, LocalEngineSender),
     ("embedded", "disaggregated"): TransportEntry(BroadcastTransport, BroadcastSender, WorldReceiver),
     ("vllm", "disaggregated"): TransportEntry(ChannelTransport, BroadcastSender, ChannelReceiver),
-    # Any other registered engine: where it is handed whole tensors (its swap_weights, which the
-    # RolloutEngine interface declares), it takes them like the embedded engine.
+    # Any other registered engine takes the weights as the embedded engine does: whole tensors
+    # through its swap_weights (which the RolloutEngine interface declares), and on an engine rank
+    # of the world over the weight-sync groups (its registry entry receives by groups).
     (ANY_ENGINE, "one_process"): TransportEntry(InProcessTransport),
     (ANY_ENGINE, "colocated"): TransportEntry(ColocatedTransport, LocalEngineSender),
+    (ANY_ENGINE, "disaggregated"): TransportEntry(BroadcastTransport, BroadcastSender, WorldReceiver),
 }
 
 

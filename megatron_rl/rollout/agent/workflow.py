@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 from ...errors import one_line
 from ...types import SamplingParams, Trajectory
 from ..engine import RolloutEngine
+from ..workflow import Workflow
 from . import routing
 from .server import AgentRun, ChatServer
 from .spec import AgentError, AgentSpec
@@ -104,7 +105,7 @@ def _is_connection_failure(err: BaseException) -> bool:
     return False
 
 
-class AgentWorkflow:
+class AgentWorkflow(Workflow):
     """A GroupWorkflow (rollout/workflow.py's signature) running ``spec`` once per request id."""
 
     # The runs score themselves: the trainer does not call reward.name on their trajectories.

@@ -43,7 +43,7 @@ from ...models.hf_names import hf_to_megatron
 from ...models.lora import add_lora, is_adapter_name
 from ...trajectory_buffers import response_arrays
 from ...types import GenerationChunk, SamplingParams
-from ..engine import EngineError, RolloutEngine
+from ..engine import EngineError, EngineStats, RolloutEngine  # noqa: F401 - EngineStats: its old home
 from ..sampling import Stream, request_key
 from .generator import KVCachedGenerator, PendingStep, Sampled
 
@@ -146,21 +146,6 @@ class _Request:
         if not parts:
             return np.zeros((0, *self.routing[0].shape[1:]), dtype=self.routing[0].dtype)
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-
-@dataclass
-class EngineStats:
-    requests: int = 0
-    tokens: int = 0
-    compute_s: float = 0.0
-    prefills: int = 0       # batches (re)built from slot 0: first batch, offset exhausted, new weights
-    admissions: int = 0     # waiting requests prefilled into the running batch
-    decode_steps: int = 0
-    decode_rows: int = 0    # running rows summed over decode steps (occupancy = rows / steps)
-    # Compute seconds by kind of model call (compute_s is their sum).
-    prefill_s: float = 0.0
-    admit_s: float = 0.0
-    decode_s: float = 0.0
 
 
 def bind_thread_to_device(device: torch.device) -> None:

@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -69,6 +69,9 @@ class EngineProcess(EngineClient):
     @property
     def pid(self) -> Optional[int]:
         return self._proc.pid
+
+    def pids(self) -> List[int]:
+        return [self._proc.pid] if self._proc.pid else []
 
     def _weights_device(self) -> Optional[torch.device]:
         """Where to pack: the engine's GPU when it has its own, else where the weights are."""

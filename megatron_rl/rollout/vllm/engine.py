@@ -122,6 +122,9 @@ class VLLMEngine(RolloutEngine):
     def engine_pids(self) -> List[int]:
         return self._vllm.engine_pids()
 
+    def pids(self) -> List[int]:
+        return self.engine_pids()
+
     async def generate(self, request_id: str, prompt_ids: Sequence[int],
                        params: SamplingParams) -> AsyncIterator[GenerationChunk]:
         self._check_alive()
