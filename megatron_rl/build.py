@@ -15,17 +15,18 @@ import asyncio
 import logging
 import random
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from .checkpoint.resume import CountingIterator
+from .components import Components, PolicyVersion, RunOnLearners
 from .config.schema import RootConfig
 from .data.build import build_data
 from .errors import ConfigError
-from .launch.plan import Plan, plan_for
+from .placement import Plan, plan_for
 from .learner.group import LearnerGroup
 from .learner.recipes import recipe_for
 from .learner.teachers import check_row_teachers
@@ -40,7 +41,6 @@ from .rollout.build import engine_entry
 from .rollout.dataset_responses import DatasetResponses
 from .rollout.device import resolve_engine_device
 from .rollout.embedded.engine import bind_thread_to_device
-from .rollout.engine import RolloutEngine
 from .rollout.workflow import Workflow, build_workflow
 from .telemetry.run_context import RunContext
 from .models.lora import engine_applies_adapters
@@ -51,14 +51,6 @@ if TYPE_CHECKING:
     from .trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-RunOnLearners = Callable[..., Awaitable[Any]]
-
-
-@dataclass
-class PolicyVersion:
-    """The policy version the driver last published; components that stamp samples read it."""
-    value: int = 0
 
 
 @dataclass
@@ -71,34 +63,6 @@ class WorldRanks:
     data: Tuple[Any, Any]                   # (tokenizer, prompt stream)
     ranks: List[Dict[str, Any]]             # role, host, pid, engine address of every rank
     authkey: bytes                          # for the driver's engine connections
-
-
-@dataclass
-class Components:
-    """A run's parts, whatever the placement."""
-    tokenizer: Any
-    prompts: CountingIterator               # counted: a resumed run skips what was drawn
-    worker: LearnerWorker                   # the driver's learner worker (rank 0's in a world)
-    learners: LearnerGroup                  # every learner rank
-    learner_executor: ThreadPoolExecutor    # the learner thread: every learner call is made there
-    run_on_learners: RunOnLearners          # ``await run_on_learners(name, *args)`` on every rank
-    engine: RolloutEngine                   # the engines, one pool
-    transport: Any                          # ``await transport.push(version)`` -> sync metrics
-    workflow: Workflow
-    rewards: RewardRunner
-    policy: PolicyVersion
-    evaluator: Any = None                   # the eval sets (trainer.eval_interval), else None
-    # Engines on ranks of their own (disaggregated): the driver names the run directory to them.
-    remote_engines: List[RolloutEngine] = field(default_factory=list)
-
-    def close(self, finished: bool = True) -> None:
-        """Release the learner ranks, reward workers, eval sets and the learner thread (after a
-        failure the thread may be stuck in a collective with a dead rank: not waited for)."""
-        self.learners.close()  # the other learner ranks leave their loop
-        self.rewards.close()
-        if self.evaluator is not None:
-            self.evaluator.close()
-        self.learner_executor.shutdown(wait=finished)
 
 
 # ---------------------------------------------------------------------------- set-up helpers

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from .plugins import PluginError
 from .rewards import score_groups
 from .rewards.runner import RewardFailing
 from .rollout.agent import AgentError, agent_metrics, runs
-from .rollout.engine import EngineError, raise_if_gone, whole_response
+from .api.engine import EngineError, raise_if_gone, whole_response
 from .scheduler.controller import AsyncController, GroupFailed, RolloutsStopped
 from .scheduler.ledger import FinishedGroup, PromptLedger, Ticket, max_ahead_groups
 from .scheduler.staleness import StalenessManager
@@ -38,8 +38,7 @@ from .telemetry.step_metrics import EngineCounters
 from .telemetry.run_context import RunContext
 from .types import SamplingParams, Trajectory
 
-if TYPE_CHECKING:  # built by the composition root (megatron_rl/build.py), which imports this module
-    from .build import Components
+from .components import Components  # built by the composition root (megatron_rl/build.py)
 
 logger = logging.getLogger(__name__)
 

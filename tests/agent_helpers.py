@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 from typing import List, Sequence, Tuple
 
-from megatron_rl.rollout.engine import RolloutEngine, whole_response
+from megatron_rl.api.engine import RolloutEngine, whole_response
 from megatron_rl.types import GenerationChunk
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"

@@ -15,7 +15,7 @@ from typing import AsyncIterator, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from megatron_rl.rollout.build import ENGINES
-from megatron_rl.rollout.engine import EngineStats, RolloutEngine
+from megatron_rl.api.engine import EngineStats, RolloutEngine
 from megatron_rl.types import GenerationChunk, SamplingParams
 
 NAME = "counting"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_rl.learner.data_parallel import dp_bounds
+from megatron_rl.learner.shares import dp_bounds
 from megatron_rl.learner.shares import BatchIndex, minibatch_bounds, replica_rows
 from megatron_rl.trajectory_buffers import TrajectoryBuffers, pack, unpack
 from megatron_rl.types import Trajectory
@@ -101,3 +101,84 @@ def test_the_index_of_a_share_keeps_what_every_rank_knows_of_every_row() -> None
     assert share.rows == (3, 4, 5) and share.minibatches == ((0, 3),) and not share.whole
     assert share.rewards == tuple(t.reward for t in trajs) and share.groups == index.groups
     assert index.whole and index.share(1, 1, 0).rows == tuple(range(6))
+
+
+# ---------------------------------------------------------------------------- through a world
+class _RecordingWorker:
+    """A learner rank's side of the data plane: what it received, per step."""
+
+    def __init__(self, rank: int, ranks: int, mini_batches: int):
+        from types import SimpleNamespace
+
+        self.rank, self.ranks = rank, ranks
+        self.cfg = SimpleNamespace(learner=SimpleNamespace(mini_batches=mini_batches))
+        self.received: list = []
+
+    def replica(self):
+        return self.rank, self.ranks
+
+    def receive_rows(self, buffers):
+        from megatron_rl.trajectory_buffers import unpack
+
+        self.bytes = sum(a.nbytes for a in buffers.arrays.values())
+        return unpack(buffers)
+
+    def train_share(self, trajs, index, version, lr):
+        self.received.append((list(index.rows), index.minibatches, [(t.prompt_uid, t.sample_index, t.response_ids,
+                                                                    t.logprobs) for t in trajs], version, lr))
+        return {"rows": float(len(trajs))}
+
+
+def _world_rank(rank: int, ranks: int, port: int, mini_batches: int, out) -> None:
+    import torch.distributed as dist
+
+    from megatron_rl.learner.group import LearnerGroup, serve_learner
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    worker = _RecordingWorker(rank, ranks, mini_batches)
+    if rank == 0:
+        group = LearnerGroup(worker, dist.group.WORLD, range(ranks))
+        trajs = _trajectories(seed=2, rows=12, experts=True)
+        metrics = group.train([trajs[i:i + 3] for i in range(0, 12, 3)], 7, 0.5)
+        group.close()
+        out.put(("metrics", metrics["data/share_bytes_max"], metrics["data/batch_bytes"]))
+    else:
+        serve_learner(worker, dist.group.WORLD)
+    out.put((rank, worker.received))
+    dist.destroy_process_group()
+
+
+def test_in_a_world_each_learner_rank_receives_its_replicas_rows_and_no_others() -> None:
+    """Three replicas, two mini-batches: each rank's share holds exactly the rows the learner's
+    split gives it (equal to the driver's trajectories) and a third of the batch's bytes."""
+    import torch.multiprocessing as mp
+
+    from megatron_rl.learner.parallel import free_port
+
+    ranks, mini_batches = 3, 2
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_world_rank, args=(r, ranks, port, mini_batches, out), daemon=True) for r in range(ranks)]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        for _ in range(ranks + 1):  # each rank's record, and the driver's figures
+            message = out.get(timeout=120)
+            got[message[0]] = message[1:]
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    trajs = _trajectories(seed=2, rows=12, experts=True)
+    for rank in range(ranks):
+        (received,) = got[rank]
+        (rows, bounds, rows_seen, version, lr), = received
+        expected_rows, expected_bounds = replica_rows(12, mini_batches, ranks, rank)
+        assert rows == expected_rows and list(bounds) == expected_bounds and (version, lr) == (7, 0.5)
+        assert rows_seen == [(trajs[i].prompt_uid, trajs[i].sample_index, trajs[i].response_ids, trajs[i].logprobs)
+                             for i in rows]
+    share_bytes, batch_bytes = got["metrics"]
+    assert share_bytes < 0.5 * batch_bytes  # each rank got its third of the rows, not the batch

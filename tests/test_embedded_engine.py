@@ -7,7 +7,7 @@ import torch
 
 from megatron_rl.config.schema import ModelConfig
 from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.rollout.engine import EngineError
+from megatron_rl.api.engine import EngineError
 from megatron_rl.types import SamplingParams
 
 from engine_helpers import generate_all
@@ -234,7 +234,7 @@ def test_a_group_samples_what_separate_requests_sample_and_cancels_or_fails_whol
     """generate_n answers a group with one future (no stream per request). Its responses must be
     what the same requests made one by one get (same seed and weights: same rows, same draws);
     cancelling the group aborts its requests; a failed step fails the group with the error."""
-    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.api.engine import RolloutEngine
 
     params = SamplingParams(max_new_tokens=12, stop_token_ids=(3, 5), stream=False)
     ids = [f"g{i}" for i in range(5)]

@@ -8,7 +8,7 @@ import torch
 from megatron_rl.config.schema import RootConfig
 from megatron_rl.learner.learner import Learner
 from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.rollout.engine import whole_response
+from megatron_rl.api.engine import whole_response
 from megatron_rl.types import SamplingParams, Trajectory
 
 from megatron_rl.data.datasets import Prompt

@@ -11,7 +11,7 @@ import torch
 from megatron_rl.config.schema import RootConfig
 from megatron_rl.learner.learner import Learner
 from megatron_rl.rollout.embedded import EngineProcess
-from megatron_rl.rollout.engine import EngineError
+from megatron_rl.api.engine import EngineError
 from megatron_rl.types import SamplingParams
 
 from engine_helpers import generate_all, kill_engine_after_step
@@ -165,7 +165,7 @@ def test_a_child_process_moe_engine_returns_routing(megatron_world):
     """A mixture of experts in a child process: its routing crosses the pipe, whole responses
     (a group, one message) and streamed chunks alike."""
     from megatron_rl.config.schema import ModelConfig
-    from megatron_rl.rollout.engine import whole_response
+    from megatron_rl.api.engine import whole_response
 
     model = ModelConfig(family="qwen3_moe", num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                         ffn_hidden_size=48, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24)

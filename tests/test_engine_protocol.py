@@ -15,7 +15,7 @@ import pytest
 
 from megatron_rl.rollout.client import EngineClient
 from megatron_rl.rollout.embedded.engine import EngineStats
-from megatron_rl.rollout.engine import EngineError, RolloutEngine, failure_within, whole_response
+from megatron_rl.api.engine import EngineError, RolloutEngine, failure_within, whole_response
 from megatron_rl.rollout.serve import EngineServer
 from megatron_rl.types import GenerationChunk, SamplingParams
 

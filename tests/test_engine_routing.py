@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.config.schema import ModelConfig
-from megatron_rl.rollout.engine import whole_response
+from megatron_rl.api.engine import whole_response
 from megatron_rl.types import SamplingParams
 
 VOCAB = 48

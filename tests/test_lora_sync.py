@@ -77,7 +77,7 @@ def test_engine_applies_adapters_unmerged_through_adapter_only_syncs(megatron_wo
 
 
 def test_adapters_to_an_engine_without_lora_are_refused(megatron_world):
-    from megatron_rl.rollout.engine import EngineError
+    from megatron_rl.api.engine import EngineError
 
     cfg = _lora_cfg()
     worker = LearnerWorker(cfg, VOCAB, pad_id=0)

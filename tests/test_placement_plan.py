@@ -3,7 +3,7 @@ groups, and rejections that say why and what would fit."""
 
 import pytest
 
-from megatron_rl.launch.plan import Layout, PlacementError, plan_placement
+from megatron_rl.placement import Layout, PlacementError, plan_placement
 
 
 def test_disaggregated_learners_first_then_engines():

@@ -26,7 +26,7 @@ if _REASON:
 
 from megatron_rl.config.schema import RootConfig  # noqa: E402
 from megatron_rl.learner.learner import Learner  # noqa: E402
-from megatron_rl.rollout.engine import EngineError  # noqa: E402
+from megatron_rl.api.engine import EngineError  # noqa: E402
 from megatron_rl.rollout.vllm import VLLMEngine  # noqa: E402
 from megatron_rl.types import SamplingParams  # noqa: E402
 

@@ -27,7 +27,7 @@ from megatron_rl.learner.learner import Learner  # noqa: E402
 from megatron_rl.config.schema import RootConfig  # noqa: E402
 from megatron_rl.models.families import get_family  # noqa: E402
 from megatron_rl.models.hf_config import model_config_from_hf  # noqa: E402
-from megatron_rl.rollout.engine import EngineError  # noqa: E402
+from megatron_rl.api.engine import EngineError  # noqa: E402
 from megatron_rl.rollout.vllm import VLLMEngine  # noqa: E402
 from megatron_rl.types import SamplingParams  # noqa: E402
 

@@ -11,7 +11,7 @@ import pytest
 
 import megatron_rl
 from megatron_rl.errors import ConfigError
-from megatron_rl.rollout.engine import EngineError
+from megatron_rl.api.engine import EngineError
 from megatron_rl.weights.transports import (TRANSPORTS, BroadcastSender, ChannelReceiver, LocalEngineSender,
                                             WorldReceiver, check_version, transport_for)
 

@@ -46,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from ..config.load import recipe_name
     from ..errors import USAGE_EXIT, UserError, report
     from ..stop import record_exit
-    from .plan import plan_for
+    from ..placement import plan_for
 
     args = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in args):

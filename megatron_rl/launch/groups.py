@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import types
 from datetime import timedelta
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, Iterator, Optional
 
 import torch.distributed as dist
+
+from ..process_groups import new_groups
 
 
 def _parallel_state():
@@ -162,20 +164,3 @@ def init_split_parallel_state(num_learner_ranks: int, tp: int, pp: int, ep: int 
         redirect_default_group(learner_group)
     model_parallel_cuda_manual_seed(seed)
     return "learner" if learner else "engine"
-
-
-def new_groups(rank_lists: Sequence[Sequence[int]], backend: Optional[str] = None,
-               timeout: Optional[timedelta] = None) -> List[Optional[dist.ProcessGroup]]:
-    """Collective over the whole world: one group per rank list, in order (None where this rank
-    is not a member)."""
-    me = dist.get_rank()
-    options = {k: v for k, v in (("backend", backend), ("timeout", timeout)) if v is not None}
-    out: List[Optional[dist.ProcessGroup]] = []
-    for ranks in rank_lists:
-        ranks = list(ranks)
-        if not ranks:
-            out.append(None)
-            continue
-        group = dist.new_group(ranks, **options)
-        out.append(group if me in ranks else None)
-    return out

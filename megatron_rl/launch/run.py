@@ -36,8 +36,9 @@ import torch
 import torch.distributed as dist
 
 from ..config.schema import RootConfig
-from .groups import init_split_parallel_state, new_groups
-from .plan import Plan
+from ..process_groups import new_groups
+from .groups import init_split_parallel_state
+from ..placement import Plan
 
 logger = logging.getLogger(__name__)
 

@@ -16,6 +16,8 @@ from typing import Dict, List, Sequence, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from .shares import dp_bounds
+
 T = TypeVar("T")
 
 
@@ -28,13 +30,6 @@ def _ps():
 def dp_size_rank() -> Tuple[int, int]:
     ps = _ps()
     return ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-
-
-def dp_bounds(n: int, dp: int, rank: int) -> Tuple[int, int]:
-    """[start, end) of replica ``rank``'s share of ``n`` items: contiguous, sizes differ by <= 1."""
-    base, extra = divmod(n, dp)
-    start = rank * base + min(rank, extra)
-    return start, start + base + (1 if rank < extra else 0)
 
 
 class LocalRows(list):

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ..types import Trajectory, token_count
-from .data_parallel import dp_bounds
+
+
+def dp_bounds(n: int, dp: int, rank: int) -> Tuple[int, int]:
+    """[start, end) of replica ``rank``'s share of ``n`` items: contiguous, sizes differ by <= 1."""
+    base, extra = divmod(n, dp)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
 
 
 def minibatch_bounds(n: int, mini_batches: int) -> List[Tuple[int, int]]:

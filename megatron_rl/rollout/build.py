@@ -22,7 +22,7 @@ from .device import check_engine_device
 
 if TYPE_CHECKING:
     from ..config.schema import RootConfig
-    from .engine import RolloutEngine
+    from ..api.engine import RolloutEngine
 
 # builder(cfg, vocab, overlap, learner_executor, engine_threads, device_index) -> engine, in the
 # driver's process. overlap: rollouts run while the learner trains; learner_executor: the

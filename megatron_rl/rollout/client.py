@@ -21,7 +21,7 @@ from typing import Any, AsyncIterator, Awaitable, Dict, Iterable, List, Optional
 import torch
 
 from ..types import GenerationChunk, SamplingParams
-from .engine import EngineError, RolloutEngine
+from ..api.engine import EngineError, RolloutEngine
 from .embedded.engine import EngineStats
 from .embedded.packed import PackedWeights, pack_weights
 from .serve import Outbox

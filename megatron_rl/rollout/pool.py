@@ -17,7 +17,7 @@ from typing import AsyncIterator, Awaitable, Dict, Iterable, List, Optional, Seq
 import torch
 
 from ..types import GenerationChunk, SamplingParams
-from .engine import EngineError, RolloutEngine
+from ..api.engine import EngineError, RolloutEngine
 
 
 class EnginePool(RolloutEngine):

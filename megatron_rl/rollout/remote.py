@@ -16,7 +16,7 @@ from multiprocessing.connection import Client, Listener
 from typing import Optional, Tuple
 
 from .client import EngineClient
-from .engine import EngineError
+from ..api.engine import EngineError
 
 logger = logging.getLogger(__name__)
 

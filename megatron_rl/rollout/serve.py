@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Optional
 
 from ..trajectory_buffers import response_arrays
 from ..types import GenerationChunk
-from .engine import RolloutEngine
+from ..api.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,6 @@ an agent's import path (``my_pkg.agents:MyAgent``, see rollout/agent/)."""
 
 from __future__ import annotations
 
-import abc
 import asyncio
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -13,34 +12,18 @@ import numpy as np
 from ..registry import Registry
 from ..errors import ConfigError
 from ..types import GenerationChunk, SamplingParams, Trajectory
-from .engine import whole_response
+from ..api.engine import whole_response
+from .group_workflow import Workflow
 from .routed_experts import over_positions
 
 if TYPE_CHECKING:  # for annotations only: config validation imports this module for WORKFLOWS
     from ..data.datasets import Prompt
-    from .engine import RolloutEngine
+    from ..api.engine import RolloutEngine
 
 # rollout.workflow -> the coroutine function turning one prompt into its group:
 # fn(engine, prompt, params, request_ids) -> one Trajectory per request id, in order.
 GroupWorkflow = Callable[["RolloutEngine", "Prompt", SamplingParams, Sequence[str]], Awaitable[List[Trajectory]]]
 WORKFLOWS: Registry[GroupWorkflow] = Registry("workflow")
-
-
-class Workflow(abc.ABC):
-    """What the driver runs per prompt: ``await workflow(engine, prompt, params, request_ids)``
-    gives one Trajectory per request id. ``sets_rewards``: its runs score themselves (agents,
-    dataset responses), so the driver calls no reward on them; ``close`` releases what it
-    started (an agent's chat server) on the driver's event loop."""
-
-    sets_rewards: bool = False
-
-    @abc.abstractmethod
-    async def __call__(self, engine: "RolloutEngine", prompt: "Prompt", params: SamplingParams,
-                       request_ids: Sequence[str]) -> List[Trajectory]:
-        """The group of ``prompt``: one trajectory per request id, in order."""
-
-    async def close(self) -> None:
-        """Release what the workflow started (nothing, unless it says otherwise)."""
 
 
 class RegisteredWorkflow(Workflow):

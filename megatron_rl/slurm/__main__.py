@@ -94,7 +94,7 @@ def parse(args: List[str]) -> JobSpec:
                              "several separated by commas (no spaces)")
     # Fail here, not after the job waited in the queue: the config, and the placement of its
     # layout on the job's ranks.
-    from ..launch.plan import PlacementError, plan_for
+    from ..placement import PlacementError, plan_for
 
     per_node = job.get("procs_per_node") or max(1, job.get("gpus_per_node", 0))
     world = job.get("nodes", 1) * per_node

@@ -57,7 +57,7 @@ def sync_topology(num_learner_ranks: int, tp: int, pp: int, cp: int, engine_rank
 def build_sync_groups(topology: SyncTopology, timeout=None) -> SyncGroups:
     """Collective over the whole world (every rank calls it, members or not). ``timeout``: a
     broadcast that waits longer for a peer fails instead of hanging."""
-    from ..launch.groups import new_groups
+    from ..process_groups import new_groups
 
     groups = new_groups(topology.group_ranks(), timeout=timeout)
     return SyncGroups(topology, [None if g is None else WorldLink(g, src) for g, src in zip(groups, topology.sources)])

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, ClassVar, Dict, Optional, Sequence, Tuple, Type
 
 from ..errors import ConfigError
-from ..rollout.engine import EngineError, RolloutEngine, raise_if_gone, raise_if_gone_within
+from ..api.engine import EngineError, RolloutEngine, raise_if_gone, raise_if_gone_within
 
 RunOnLearners = Callable[..., Awaitable]
 Span = Callable[..., Any]  # span(name, **attrs): a context manager of the rank's timeline

@@ -49,7 +49,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_rl.learner.group import LearnerGroup, serve_learner  # noqa: E402
-from megatron_rl.rollout.engine import RolloutEngine  # noqa: E402
+from megatron_rl.api.engine import RolloutEngine  # noqa: E402
 from megatron_rl.types import GenerationChunk, SamplingParams  # noqa: E402
 
 AUTHKEY = b"driver-scale-bench"

@@ -230,7 +230,7 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optio
     time one batch of ``prompts``: (seconds, [(tokens, logprobs, routed experts or None)] per
     prompt)."""
     from megatron_rl.rollout.embedded.engine import EngineStats
-    from megatron_rl.rollout.engine import whole_response
+    from megatron_rl.api.engine import whole_response
     from megatron_rl.types import SamplingParams
 
     async def go():

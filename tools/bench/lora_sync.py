@@ -58,7 +58,7 @@ def main(argv: List[str] | None = None) -> None:
     from megatron_rl.learner.worker import LearnerWorker
     from megatron_rl.models.lora import is_adapter_name
     from megatron_rl.rollout.embedded import EmbeddedEngine, engine_options
-    from megatron_rl.rollout.engine import whole_response
+    from megatron_rl.api.engine import whole_response
     from megatron_rl.types import SamplingParams
     from megatron_rl.weights.adapter_sync import AdapterTransport
 

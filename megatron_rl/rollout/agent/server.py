@@ -37,7 +37,7 @@ from types import MappingProxyType
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from ...types import SamplingParams
-from ..engine import EngineError, RolloutEngine, whole_response
+from ...api.engine import EngineError, RolloutEngine, whole_response
 from .routing import RUN_HEADER, run_of_key
 from .tool_calls import messages_for_template, parse_tool_calls
 from .trajectories import Turn

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ...errors import one_line
 from ...types import SamplingParams, Trajectory
-from ..engine import RolloutEngine
-from ..workflow import Workflow
+from ...api.engine import RolloutEngine
+from ..group_workflow import Workflow
 from . import routing
 from .server import AgentRun, ChatServer
 from .spec import AgentError, AgentSpec

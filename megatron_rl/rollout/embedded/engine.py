@@ -43,7 +43,7 @@ from ...models.hf_names import hf_to_megatron
 from ...models.lora import add_lora, is_adapter_name
 from ...trajectory_buffers import response_arrays
 from ...types import GenerationChunk, SamplingParams
-from ..engine import EngineError, EngineStats, RolloutEngine  # noqa: F401 - EngineStats: its old home
+from ...api.engine import EngineError, EngineStats, RolloutEngine  # noqa: F401 - EngineStats: its old home
 from ..sampling import Stream, request_key
 from .generator import KVCachedGenerator, PendingStep, Sampled
 

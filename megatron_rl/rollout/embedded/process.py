@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from ...config.schema import LoraConfig, ModelConfig
 from ..client import EngineClient
-from ..engine import EngineError
+from ...api.engine import EngineError
 from ...lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)

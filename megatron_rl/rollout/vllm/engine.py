@@ -36,7 +36,7 @@ from ...config.schema import ModelConfig
 from ...lifetime import reap_with_us
 from ...types import GenerationChunk, SamplingParams
 from ..embedded.engine import EngineStats
-from ..engine import EngineError, RolloutEngine
+from ...api.engine import EngineError, RolloutEngine
 from ..sampling import request_key
 from . import adapter
 from .model_dir import write_model_dir

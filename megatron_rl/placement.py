@@ -20,7 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from ..errors import UserError
+from .errors import UserError
 
 PLACEMENTS = ("colocated", "disaggregated")
 

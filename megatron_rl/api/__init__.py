@@ -1,0 +1,1 @@
+"""Interfaces that every layer may use: the rollout engine's (``engine.py``)."""
