@@ -33,7 +33,7 @@ from .learner.teachers import check_row_teachers
 from .learner.worker import LearnerWorker
 from .lifetime import available_cores
 from .models.gpt import model_device
-from .models.pretrained import vocab_size_for
+from .models.pretrained import check_vocabulary, vocab_size_for
 from .plugins import PluginError
 from .rewards import RewardRunner
 from .rewards.user import build_reward
@@ -222,6 +222,7 @@ def _one_process(cfg: RootConfig, executor: ThreadPoolExecutor, device_index: Op
         torch.set_num_threads(learner_threads)
     seed_everything(cfg.trainer.seed)
     tokenizer, prompts = build_data(cfg)
+    check_vocabulary(cfg, tokenizer.vocab_size)
     try:
         vocab = vocab_size_for(cfg.model, tokenizer.vocab_size, cfg.learner.tp)
     except ValueError as err:  # a tokenizer larger than the checkpoint's vocabulary

@@ -120,18 +120,19 @@ def test_a_tokenizer_path_with_another_vocabulary_is_refused(hf_dir, tmp_path):
 def test_a_small_tokenizer_for_a_pretrained_vocabulary_is_refused(tmp_path):
     """A checkpoint without tokenizer files but with a pretrained-size vocabulary: tiny_cpu's
     14-id character tokenizer would feed its ids to a 40,000-row embedding."""
-    from megatron_rl.data.build import build_tokenizer
-    from megatron_rl.data.datasets import DatasetError
+    from megatron_rl.build import build_trainer
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.models.pretrained import check_vocabulary
 
     save_random_hf_model("llama", tmp_path / "hf", vocab_size=40000, hidden_size=8, intermediate_size=8,
                          num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1)
-    cfg = load_config("tiny_cpu", [f"model.path={tmp_path / 'hf'}"])
+    cfg = load_config("tiny_cpu", [f"model.path={tmp_path / 'hf'}", f"trainer.run_dir={tmp_path / 'run'}"])
     assert cfg.data.tokenizer == "char"  # no tokenizer beside the weights: the task's own
-    with pytest.raises(DatasetError, match=r"the tokenizer has 14 ids but model.path=.* has a pretrained vocabulary "
-                                           r"of 40000: its ids would select embedding rows trained for other tokens"):
-        build_tokenizer(cfg)
+    with pytest.raises(ConfigError, match=r"the tokenizer has 14 ids but model.path=.* has a pretrained vocabulary "
+                                          r"of 40000: its ids would select embedding rows trained for other tokens"):
+        build_trainer(cfg)  # refused once the tokenizer is built, before any model
     cfg.data.force_tokenizer = True
-    assert build_tokenizer(cfg).vocab_size == 14
+    check_vocabulary(cfg, 14)
 
 
 def test_eval_of_a_checkpoint_without_a_tokenizer_is_refused(tmp_path, capsys):

@@ -28,7 +28,6 @@ SYNTHETIC_TASKS = (*DIGIT_TASKS, "arithmetic")
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")
 # A vocabulary this large is a pretrained one (the smallest in common use is Llama-2's 32,000); a
 # tokenizer with fewer than half its ids cannot be the one its embedding was trained with.
-PRETRAINED_VOCAB = 32000
 
 
 def _has_tokenizer(directory: Path) -> bool:
@@ -88,24 +87,6 @@ def choose_tokenizer(cfg: RootConfig) -> str:
     return choice
 
 
-def check_vocabulary(cfg: RootConfig, tokenizer: Tokenizer) -> None:
-    """Refuse a tokenizer far smaller than a pretrained checkpoint's vocabulary (a 16k BPE fitted
-    on the dataset fed to a 152k embedding): its ids would pick rows trained for other tokens."""
-    if cfg.model.path is None or cfg.data.force_tokenizer:
-        return
-    from ..models.convert import pretrained_model_config  # models sits above data: imported when needed
-
-    try:
-        _, vocab = pretrained_model_config(cfg.model.path, cfg.model.dtype)
-    except Exception:  # an unreadable checkpoint is reported where the model is built
-        return
-    if vocab >= PRETRAINED_VOCAB and tokenizer.vocab_size * 2 < vocab:
-        raise DatasetError(f"the tokenizer has {tokenizer.vocab_size} ids but model.path={cfg.model.path!r} has a "
-                           f"pretrained vocabulary of {vocab}: its ids would select embedding rows trained for other "
-                           "tokens; use the checkpoint's tokenizer (data.tokenizer_path=<its Hugging Face "
-                           "directory>), or set data.force_tokenizer=true")
-
-
 def build_tokenizer(cfg: RootConfig) -> Tokenizer:
     d = cfg.data
     choice = choose_tokenizer(cfg)
@@ -129,7 +110,6 @@ def build_tokenizer(cfg: RootConfig) -> Tokenizer:
     else:
         # Byte-level BPE trained on the datasets' own prompts and answers (offline, ~1 s).
         tokenizer = train_bpe(_training_texts(cfg), d.bpe_vocab_size)
-    check_vocabulary(cfg, tokenizer)
     return tokenizer
 
 

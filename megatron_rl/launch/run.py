@@ -48,7 +48,7 @@ DRIVER = 0
 def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     """Every rank of the world calls this; the driver returns the run's summary."""
     from ..data.build import build_data
-    from ..models.pretrained import vocab_size_for
+    from ..models.pretrained import check_vocabulary, vocab_size_for
     from ..build import seed_everything
     from ..rollout.build import CHANNEL, engine_entry
 
@@ -65,6 +65,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     # The same random stream as a one-process run up to the learner's initial weights.
     seed_everything(cfg.trainer.seed)
     tokenizer, prompts = build_data(cfg)
+    check_vocabulary(cfg, tokenizer.vocab_size)
     vocab = vocab_size_for(cfg.model, tokenizer.vocab_size, lc.tp)
     if role == "engine":
         me = plan.ranks[rank]

@@ -11,12 +11,13 @@ import dataclasses
 from pathlib import Path
 
 from ..config.schema import ModelConfig
+from ..errors import ConfigError
 from .convert import load_pretrained, pretrained_model_config
 from .gpt import padded_vocab_size
 from .hf_checkpoint import ConversionError
 from .hf_config import UnsupportedConfigError
 
-__all__ = ["load_pretrained", "resolve_model_config", "vocab_size_for"]
+__all__ = ["check_vocabulary", "load_pretrained", "resolve_model_config", "vocab_size_for"]
 
 
 def resolve_model_config(cfg: ModelConfig) -> ModelConfig:
@@ -45,3 +46,24 @@ def vocab_size_for(cfg: ModelConfig, tokenizer_vocab: int, tp: int = 1) -> int:
                               f"of {vocab}: set data.tokenizer=model to use the checkpoint's own tokenizer "
                               "(tokenizer.json)" + ("" if has else "; copy it into model.path first: it has none"))
     return vocab
+
+
+# A vocabulary this large was trained on text; a tokenizer of under half of it does not match it.
+PRETRAINED_VOCAB = 32000
+
+
+def check_vocabulary(cfg, tokenizer_vocab: int) -> None:
+    """Refuse a tokenizer far smaller than a pretrained checkpoint's vocabulary (a 16k BPE fitted
+    on the dataset fed to a 152k embedding): its ids would pick rows trained for other tokens.
+    The composition root asks once the tokenizer is built (data/ knows no checkpoint)."""
+    if cfg.model.path is None or cfg.data.force_tokenizer:
+        return
+    try:
+        _, vocab = pretrained_model_config(cfg.model.path, cfg.model.dtype)
+    except Exception:  # an unreadable checkpoint is reported where the model is built
+        return
+    if vocab >= PRETRAINED_VOCAB and tokenizer_vocab * 2 < vocab:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} ids but model.path={cfg.model.path!r} has a "
+                          f"pretrained vocabulary of {vocab}: its ids would select embedding rows trained for other "
+                          "tokens; use the checkpoint's tokenizer (data.tokenizer_path=<its Hugging Face "
+                          "directory>), or set data.force_tokenizer=true")
