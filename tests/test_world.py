@@ -34,8 +34,6 @@ LAYOUTS = {
     "ep2_moe": (4, ("learner.ep=2", *DISAGGREGATED), "mixtral", (), 1e-5),
     "colocated_tp2_shared_prompts": (2, ("learner.tp=2", "rollout.engines=2", "rollout.placement=colocated"),
                                      "llama", ("learner.share_prompts=true",), 1e-6),
-    # Every rank gathers both pipeline stages for its own engine (stages go round as tensors).
-    "colocated_pp2": (2, ("learner.pp=2", "rollout.engines=2", "rollout.placement=colocated"), "llama", (), 1e-6),
     # PPO with a critic (GAE) and a KL charge to a reference model in the reward.
     "tp2_ppo_critic_kl": (4, ("learner.tp=2", *DISAGGREGATED), "llama",
                           ("algo.name=gae", "algo.kl_coef=0.01", "algo.kl_in_reward=true"), 1e-6),
