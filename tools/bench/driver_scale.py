@@ -57,7 +57,7 @@ AUTHKEY = b"driver-scale-bench"
 
 # ---------------------------------------------------------------------------- fake engines
 class InstantEngine(RolloutEngine):
-    """Answers every request at once with the same arrays of ``max_new_tokens`` tokens."""
+    """Answers every request at once with a copy of the same arrays of ``max_new_tokens`` tokens."""
 
     def __init__(self) -> None:
         self.stats = SimpleNamespace(requests=0, tokens=0, compute_s=0.0)
@@ -78,7 +78,10 @@ class InstantEngine(RolloutEngine):
         self.stats.requests += len(request_ids)
         self.stats.tokens += len(request_ids) * len(ids)
         future = asyncio.get_running_loop().create_future()
-        future.set_result([GenerationChunk(rid, ids, logprobs, versions, "length") for rid in request_ids])
+        # A copy per response, as a real engine makes: one message then pickles every response's
+        # bytes (shared arrays would be pickled once per group).
+        future.set_result([GenerationChunk(rid, ids.copy(), logprobs.copy(), versions.copy(), "length")
+                           for rid in request_ids])
         return future
 
     async def abort(self, request_ids=None) -> None:
