@@ -43,8 +43,7 @@ from .rollout.device import resolve_engine_device
 from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.workflow import Workflow, build_workflow
 from .telemetry.run_context import RunContext
-from .models.lora import engine_applies_adapters
-from .weights.adapter_sync import AdapterTransport
+from .models.lora import engine_applies_adapters, merged_fallback
 from .weights.transports import Transport, transport_for
 
 if TYPE_CHECKING:
@@ -234,14 +233,15 @@ def _one_process(cfg: RootConfig, executor: ThreadPoolExecutor, device_index: Op
 
 def _transport(cfg: RootConfig, placement: str, engines: List[Any], run_on_learners: RunOnLearners,
                worker: Any) -> Transport:
-    """How each new policy version reaches ``engines`` (weights/transports.py's registry): in one
-    process under LoRA with an engine that applies the adapters unmerged, the base once and then
-    the adapters alone."""
-    if placement == "one_process" and engine_applies_adapters(cfg):
-        kind = AdapterTransport
-    else:
-        kind = transport_for(cfg.rollout.engine, placement).transport
-    return kind(engines, run_on_learners, cfg.rollout.weight_timeout_s, worker=worker)
+    """How each new policy version reaches ``engines`` (weights/transports.py's registry): under
+    LoRA with engines that apply the adapters unmerged, the base once and then the adapters
+    alone (weights/adapter_sync.py); an engine that cannot is warned of once and takes merged
+    weights."""
+    fallback = merged_fallback(cfg)
+    if fallback:
+        logger.warning(fallback)
+    entry = transport_for(cfg.rollout.engine, placement, adapters=engine_applies_adapters(cfg))
+    return entry.transport(engines, run_on_learners, cfg.rollout.weight_timeout_s, worker=worker)
 
 
 def _world_engines(cfg: RootConfig, plan: Plan, world: WorldRanks):

@@ -111,3 +111,31 @@ def test_a_push_longer_than_the_timeout_fails_naming_the_key(megatron_world):
     with pytest.raises(EngineError, match=r"weights v1 did not reach the engines within 0.001 s "
                                           r"\(rollout.weight_timeout_s\)"):
         asyncio.run(asyncio.wait_for(run(), 120))
+
+
+@pytest.mark.parametrize("placement, name, sender, receiver", [
+    ("one_process", "in_process_adapters", None, None),
+    ("colocated", "colocated_adapters", "AdapterLocalSender", None),
+    ("disaggregated", "world_broadcast_adapters", "AdapterBroadcastSender", "AdapterWorldReceiver"),
+])
+def test_adapter_only_sync_has_an_entry_in_every_placement(placement, name, sender, receiver):
+    """lora.sync=adapters with the embedded engine: the base once, then the adapters alone
+    (weights/adapter_sync.py); without adapters the same placement keeps its merged transport."""
+    entry = transport_for("embedded", placement, adapters=True)
+    assert entry.name == name
+    assert getattr(entry.sender, "__name__", None) == sender and getattr(entry.receiver, "__name__", None) == receiver
+    assert transport_for("embedded", placement).name != name
+
+
+def test_lora_on_an_engine_without_adapter_support_warns_in_one_line():
+    from megatron_rl.checks import load_config
+    from megatron_rl.models.lora import engine_applies_adapters, merged_fallback
+
+    cfg = load_config("tiny_cpu", ["lora.rank=4"])
+    assert engine_applies_adapters(cfg) and merged_fallback(cfg) is None  # embedded: the adapters
+    cfg.rollout.engine = "vllm"  # set after loading: validation would ask for the vllm package
+    line = merged_fallback(cfg)
+    assert not engine_applies_adapters(cfg) and "\n" not in line
+    assert "rollout.engine=vllm receives merged weights" in line
+    cfg.lora.sync = "merged"
+    assert merged_fallback(cfg) is None  # asked for merged weights: nothing to warn of

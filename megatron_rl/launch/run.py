@@ -77,6 +77,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
 
     from ..learner.group import LearnerGroup, serve_learner
     from ..learner.worker import LearnerWorker
+    from ..models.lora import engine_applies_adapters
     from ..stop import install_stop_handlers
     from ..weights.transports import learner_sender
 
@@ -88,7 +89,8 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     if hosted:
         hosted.serve()
     local = (hosted.engine, hosted.loop) if hosted else None
-    sender = learner_sender(cfg.rollout.engine, plan.layout.placement, local if hosted else sync)
+    sender = learner_sender(cfg.rollout.engine, plan.layout.placement, local if hosted else sync,
+                            adapters=engine_applies_adapters(cfg))
     worker = LearnerWorker(cfg, vocab, tokenizer.pad_id, weights_sender=sender, local_engine=local)
     try:
         if rank != DRIVER:
@@ -178,6 +180,7 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     closes); weights arrive over the world's weight-sync groups. It stops only when the driver
     stops it: a stop signal is the driver's to act on (it checkpoints after the step, which
     needs the engines)."""
+    from ..models.lora import engine_applies_adapters
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
@@ -190,7 +193,7 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     timeline = _RankTimeline()
-    receive = engine_receiver("embedded", engine, sync, timeline.span)
+    receive = engine_receiver("embedded", engine, sync, timeline.span, adapters=engine_applies_adapters(cfg))
     conn = listener.accept()
     asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
 

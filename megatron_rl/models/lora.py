@@ -42,9 +42,21 @@ LORA_SYNCS = ("adapters", "merged")
 
 
 def engine_applies_adapters(cfg) -> bool:
-    """Whether this run's one-process embedded engine carries the adapters (lora.sync=adapters):
-    each weight sync after the first then sends the adapters alone."""
+    """Whether this run's embedded engines carry the adapters (lora.sync=adapters), in every
+    placement (one process, an engine rank of a torchrun world, a colocated learner rank's
+    engine): each weight sync after the first then sends the adapters alone. Other engines
+    (vLLM) receive merged weights."""
     return cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and cfg.rollout.engine == "embedded"
+
+
+def merged_fallback(cfg) -> str | None:
+    """The one warning line of a run that asked for adapter-only sync but whose engine takes
+    merged weights, None otherwise."""
+    if cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and not engine_applies_adapters(cfg):
+        return (f"lora.sync=adapters: rollout.engine={cfg.rollout.engine} receives merged weights "
+                "(W + (alpha / rank)·B·A cast to model.dtype) at every sync; adapter-only sync is built for "
+                "rollout.engine=embedded")
+    return None
 
 
 def is_adapter_name(name: str) -> bool:

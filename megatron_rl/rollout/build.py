@@ -86,20 +86,26 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
 
 def embedded_on_engine_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: int,
                             gpu_ids: Optional[List[int]]) -> RolloutEngine:
-    """An engine rank's embedded engine, in the rank's own process (its device is the rank's)."""
+    """An engine rank's embedded engine, in the rank's own process (its device is the rank's);
+    under lora.sync=adapters with the learner's adapters, applied unmerged."""
+    from ..models.lora import engine_applies_adapters
     from .embedded import EmbeddedEngine, engine_options
 
-    return EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, **engine_options(cfg))
+    lora = cfg.lora if engine_applies_adapters(cfg) else None
+    return EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, lora=lora, **engine_options(cfg))
 
 
 def embedded_on_learner_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: int,
                              gpu_ids: Optional[List[int]]) -> RolloutEngine:
     """A colocated learner rank's embedded engine: a child process (its own interpreter) on the
-    rank's GPU, beside the learner that loads its weights."""
+    rank's GPU, beside the learner that loads its weights; under lora.sync=adapters with the
+    learner's adapters, applied unmerged."""
+    from ..models.lora import engine_applies_adapters
     from .embedded import EngineProcess, engine_options
 
+    lora = cfg.lora if engine_applies_adapters(cfg) else None
     return EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=cpu_threads,
-                         device_index=gpu_ids[0] if gpu_ids else None, **engine_options(cfg))
+                         device_index=gpu_ids[0] if gpu_ids else None, lora=lora, **engine_options(cfg))
 
 
 def check_embedded(cfg: RootConfig, placement: str) -> None:

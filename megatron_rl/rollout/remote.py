@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from multiprocessing.connection import Client, Listener
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from .client import EngineClient
 from ..api.engine import EngineError
@@ -49,10 +49,11 @@ class RemoteEngine(EngineClient):
         super().__init__(conn, name=f"engine on rank {rank}", call_timeout_s=call_timeout_s)
         self.rank = rank
 
-    async def receive_weights(self, version: int) -> Optional[float]:
+    async def receive_weights(self, version: int) -> Any:
         """The engine takes policy ``version`` from the weight-sync groups (while it keeps
-        generating), then swaps it in whole: pause(keep), load, resume. Returns the seconds the
-        receive took there."""
+        generating), then swaps it in whole: pause(keep), load, resume. Returns what the rank's
+        receiver returns: the seconds the receive took there (adapter-only sync: a dict of them
+        and the push's figures, ``weights/adapter_sync.py``)."""
         seconds = await self._call("receive_weights", version)
         self._version = version
         return seconds

@@ -13,7 +13,7 @@ device; gloo on CPUs), not as pickled CPU copies.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,9 @@ from ..models.hf_names import megatron_to_hf
 from .buckets import DEFAULT_BUCKET_BYTES, SyncStats, WorldLink, receive_stages, send_stage
 from .reshard import full_tensors
 
-__all__ = ["stage_hf_tensors", "all_hf_tensors"]
+__all__ = ["stage_hf_tensors", "all_hf_tensors", "all_stage_tensors"]
+
+NamedTensors = Iterator[Tuple[str, torch.Tensor]]
 
 
 def stage_hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -41,9 +43,17 @@ def all_hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig,
     process included) they stream straight from the gather; otherwise each stage's rank of the
     pipeline group broadcasts its tensors in buckets to the others, stages in order. Collective
     over the learner ranks: each must iterate it to the end."""
+    return all_stage_tensors(module, lambda: stage_hf_tensors(module, model_cfg), bucket_bytes)
+
+
+def all_stage_tensors(module: torch.nn.Module, stage_tensors: Callable[[], NamedTensors],
+                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> NamedTensors:
+    """Every stage's ``stage_tensors()`` on every learner rank, stage by stage (``all_hf_tensors``
+    with another export of a stage, e.g. a LoRA learner's frozen base and adapters unmerged).
+    ``stage_tensors`` is collective over the TP/EP groups; this, over the learner ranks."""
     pp_group = _pipeline_group()
     if pp_group is None:
-        yield from stage_hf_tensors(module, model_cfg)
+        yield from stage_tensors()
         return
     from megatron.core import parallel_state as ps
 
@@ -52,7 +62,7 @@ def all_hf_tensors(module: torch.nn.Module, model_cfg: ModelConfig,
         link = WorldLink(pp_group, dist.get_global_rank(pp_group, stage))
         if stage == mine:
             # Sent from the gather as it goes; what this rank hands out is its own tensors.
-            own = list(stage_hf_tensors(module, model_cfg))
+            own = list(stage_tensors())
             send_stage(link, own, version=-1, bucket_bytes=bucket_bytes)
             yield from own
         else:

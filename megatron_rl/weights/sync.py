@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from .export import stage_hf_tensors
 logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "SyncStats", "SyncTopology", "SyncGroups", "build_sync_groups",
-           "build_channel_groups", "send_weights", "receive_weights", "sync_topology"]
+           "build_channel_groups", "send_weights", "send_stage_tensors", "receive_weights", "sync_topology"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,13 @@ def send_weights(module: torch.nn.Module, model_cfg: ModelConfig, groups: SyncGr
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[SyncStats]:
     """Learner side; every learner rank calls it. Returns the stage source's statistics (None on
     ranks that only helped gather)."""
+    return send_stage_tensors(stage_hf_tensors(module, model_cfg), groups, version, bucket_bytes)
+
+
+def send_stage_tensors(named: Iterable[Tuple[str, torch.Tensor]], groups: SyncGroups, version: int,
+                       bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Optional[SyncStats]:
+    """Learner side of any export of this stage (``named``: collective over the TP/EP groups);
+    every learner rank calls it. Returns the stage source's statistics (None elsewhere)."""
     from megatron.core import parallel_state as ps
 
     # Every learner rank walks its tensors: the TP and EP all-gathers inside need all members, and
@@ -98,7 +105,7 @@ def send_weights(module: torch.nn.Module, model_cfg: ModelConfig, groups: SyncGr
     stage = ps.get_pipeline_model_parallel_rank()
     is_source = dist.get_rank() == groups.topology.sources[stage]
     link = groups.links[stage] if is_source else None
-    return send_stage(link, stage_hf_tensors(module, model_cfg), version, bucket_bytes)
+    return send_stage(link, named, version, bucket_bytes)
 
 
 def receive_weights(groups: SyncGroups) -> Tuple[int, Dict[str, torch.Tensor], SyncStats]:

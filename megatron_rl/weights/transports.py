@@ -25,6 +25,8 @@ Transports (engine kind, placement -> name: how the tensors travel):
 - embedded, disaggregated -> world_broadcast: buckets over groups of the torchrun world (``sync.py``);
 - vllm, disaggregated -> vllm_channel: buckets over weight channels vLLM's workers join
   (``channel.py``).
+A LoRA learner whose embedded engines apply the adapters unmerged has an entry per placement in
+``adapter_sync.py`` (the same paths; the frozen base once, then the adapters alone).
 """
 
 from __future__ import annotations
@@ -175,9 +177,11 @@ class LocalEngineSender:
         self.engine, self.loop = local
 
     def send(self, learner, version: int) -> None:
-        import torch.distributed as dist
+        self._load_own_engine(list(learner.export_hf_weights()), version)
+        return None
 
-        tensors = list(learner.export_hf_weights())
+    def _load_own_engine(self, tensors, version: int) -> None:
+        import torch.distributed as dist
 
         async def swap() -> None:
             await self.engine.wake_up()
@@ -186,7 +190,6 @@ class LocalEngineSender:
         asyncio.run_coroutine_threadsafe(swap(), self.loop).result()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # every rank's engine holds the version before the driver goes on
-        return None
 
 
 # ---------------------------------------------------------------------------- beside an engine
@@ -283,9 +286,16 @@ TRANSPORTS: Dict[Tuple[str, str], TransportEntry] = {
 }
 
 
-def transport_for(engine_kind: str, placement: str) -> TransportEntry:
+def transport_for(engine_kind: str, placement: str, adapters: bool = False) -> TransportEntry:
     """The transport of ``engine_kind`` in ``placement``; a combination without one is a
-    ConfigError naming both and what exists."""
+    ConfigError naming both and what exists. ``adapters``: the engine applies a LoRA learner's
+    adapters unmerged (``models.lora.engine_applies_adapters``): the entries of
+    ``adapter_sync.ADAPTER_TRANSPORTS``, which send the frozen base once and then the adapters."""
+    if adapters:
+        from .adapter_sync import ADAPTER_TRANSPORTS  # built on this module's classes
+
+        if placement in ADAPTER_TRANSPORTS:
+            return ADAPTER_TRANSPORTS[placement]
     entry = TRANSPORTS.get((engine_kind, placement)) or TRANSPORTS.get((ANY_ENGINE, placement))
     if entry is None:
         known = ", ".join(f"{kind} {where}" for kind, where in sorted(TRANSPORTS) if kind != ANY_ENGINE)
@@ -295,15 +305,18 @@ def transport_for(engine_kind: str, placement: str) -> TransportEntry:
     return entry
 
 
-def learner_sender(engine_kind: str, placement: str, links: Any) -> Any:
+def learner_sender(engine_kind: str, placement: str, links: Any, adapters: bool = False) -> Any:
     """A learner rank's side (``send(learner, version)``): ``links`` are the rank's weight-sync
-    groups (disaggregated) or its own engine and the loop its client lives on (colocated)."""
-    return transport_for(engine_kind, placement).sender(links)
+    groups (disaggregated) or its own engine and the loop its client lives on (colocated);
+    ``adapters`` as for ``transport_for``."""
+    return transport_for(engine_kind, placement, adapters).sender(links)
 
 
 def engine_receiver(engine_kind: str, engine: RolloutEngine, links: Any,
-                    span: Span = lambda *a, **k: contextlib.nullcontext()) -> Callable[[int], Awaitable[float]]:
+                    span: Span = lambda *a, **k: contextlib.nullcontext(),
+                    adapters: bool = False) -> Callable[[int], Awaitable[Any]]:
     """Beside an engine on an engine rank: the call the rank serves as ``receive_weights``
-    (takes a version, returns the seconds its receive took)."""
-    entry = transport_for(engine_kind, "disaggregated")
+    (takes a version, returns the seconds its receive took; with ``adapters``, a dict of them
+    and the push's figures)."""
+    entry = transport_for(engine_kind, "disaggregated", adapters)
     return entry.receiver(engine, links, span).receive
