@@ -244,7 +244,7 @@ class RolloutConfig:
     # from, which is what the decoupled loss corrects for).
     recompute_kv_on_update: bool = False
     # On a GPU, the embedded engine replays each decode step from a CUDA graph (one per batch and
-    # cache-width bucket, captured on first use) instead of launching its ~2,000 kernels from
+    # cache-width bucket, all captured when the engine starts) instead of launching its ~2,000 kernels from
     # Python; MoE too where its layers run on the grouped device path (bf16 on Hopper), and
     # multi-latent attention (DeepSeek-V3). Ignored on a CPU.
     cuda_graphs: bool = True

@@ -181,7 +181,8 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
                  recompute_kv_on_update: bool = False, cuda_graphs: bool = True, record_routing: bool = True,
-                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None):
+                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None,
+                 static_decode: bool = False):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own.
         ``record_routing``: a mixture of experts returns its routing on the chunks (see above).
@@ -189,7 +190,8 @@ class EmbeddedEngine(RolloutEngine):
         the model's max_position_embeddings). ``lora``: the model carries the learner's LoRA
         adapters and applies them unmerged (base matmul + low-rank path, in prefill and decode);
         ``update_weights`` then takes adapter tensors under their Megatron names (``...lora_a``)
-        beside or without the base's HF tensors."""
+        beside or without the base's HF tensors. ``static_decode``: the static-shape decode step
+        without CUDA graphs, on a CPU too (tests count its bucket captures)."""
         self.model_cfg = model_cfg
         self.model = build_gpt_model(model_cfg, vocab_size, kv_attention=True)
         self.lora = lora is not None and lora.rank > 0
@@ -199,7 +201,7 @@ class EmbeddedEngine(RolloutEngine):
         self.device = model_device()
         self._gen = KVCachedGenerator(self.model, max_batch_size, max_seq_len or model_cfg.max_position_embeddings,
                                       self.device, seed=seed, cuda_graphs=cuda_graphs,
-                                      record_routing=record_routing)
+                                      static_decode=static_decode, record_routing=record_routing)
         self._version = version
         self._recompute_kv_on_update = recompute_kv_on_update
         self._owns_executor = executor is None
@@ -391,10 +393,22 @@ class EmbeddedEngine(RolloutEngine):
             took = time.perf_counter() - start
             self.stats.compute_s += took
             setattr(self.stats, f"{kind}_s", getattr(self.stats, f"{kind}_s") + took)
+            self._count_captures()
             return out
+
+    async def _capture_decode_buckets(self) -> None:
+        """Before the first step: capture every decode bucket a run can reach, so admission into
+        a running decode (or a width crossing) never captures one mid-run."""
+        async with self._step_lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._gen.capture_decode_buckets)
+            self._count_captures()
+
+    def _count_captures(self) -> None:
+        self.stats.captures, self.stats.late_captures, self.stats.capture_s = self._gen.captures
 
     async def _serve(self) -> None:
         try:
+            await self._capture_decode_buckets()
             while True:
                 self._retire_aborted()
                 if self._paused or not (self._rows or self._pending):
