@@ -2,6 +2,7 @@
 on tiny_cpu with the long-tail workload (the GPU figures come from the same code)."""
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -45,3 +46,6 @@ def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
     rows = [r for r in (line.split() for line in text.splitlines()) if r[:1] == ["tiny_cpu"] and r[1].isdigit()]
     assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("0", "fwd", "2", "1"), ("4", "fwd", "2", "1")]
     assert all(1.0 < float(r[14]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
+    lines = next(tmp_path.glob("run0_*")).joinpath("metrics.jsonl").read_text().splitlines()
+    metrics = [json.loads(line) for line in lines]
+    assert all(row["engine/late_captures"] == 0 for row in metrics)

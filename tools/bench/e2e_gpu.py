@@ -18,8 +18,9 @@ printed, and a run with fewer than ``--min-measured`` (default 20) steps left sa
 steady-state. Printed per run: mean seconds per measured step with its min / max / standard
 deviation, steps/hour, mean time/train_s, time/sync_s, the engine's prefill+admit+decode seconds,
 decode buckets captured during the run (``engine/late_captures``: 0 unless the engine captured on
-its hot path), the mean response length (equal across η: equal work), GPU utilisation and peak memory; then η ratios, and with several recipes each one's
-step time over the first recipe's at the same η; then every gpu/ key of the last run's metrics.
+its hot path), the mean response length (equal across η: equal work), GPU utilisation and peak
+memory; then η ratios, and with several recipes each one's step time over the first recipe's at
+the same η; then every gpu/ key of the last run's metrics.
 
 ``--long-tail``: the long-tail workload (rollout/long_tail.py): each response's length drawn from a
 log-normal of median ``--long-tail-median`` (1,024) and 99th percentile ``--long-tail-p99``
@@ -37,7 +38,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -166,7 +167,7 @@ def long_tail_overrides(median: int, p99: int, cap: int) -> List[str]:
     return [f"rollout.long_tail_median={median}", f"rollout.long_tail_p99={p99}", f"rollout.max_new_tokens={cap}"]
 
 
-def main(argv: Sequence[str] = None) -> List[RunResult]:
+def main(argv: Optional[Sequence[str]] = None) -> List[RunResult]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipes", default=None, help="comma-separated recipes, each run at every η")
     parser.add_argument("--recipe", default="gsm8k_qwen2_gpu", help="one recipe (when --recipes is not given)")
