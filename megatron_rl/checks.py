@@ -94,6 +94,7 @@ def validate(cfg: RootConfig, placement: str = ONE_PROCESS) -> RootConfig:
     check_family(cfg.model)
     own.check_moe_layer_pattern(cfg)
     own.check_top_p(cfg)
+    own.check_long_tail(cfg)
     check_group_size(cfg)
     own.check_batch_split(cfg)
     check_correction(cfg)

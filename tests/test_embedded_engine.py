@@ -302,3 +302,34 @@ def test_engine_rows_hold_what_rollouts_need_not_the_checkpoints_whole_context(m
                                                           "rollout.max_model_len=1000"])) == 1000
     assert engine_context_tokens(load_config("tiny_cpu", ["model.max_position_embeddings=4096",
                                                           "rollout.workflow=calculator_agent"])) == 4096
+
+
+def test_long_tail_lengths_are_honoured_and_stop_tokens_ignored_until_then(megatron_world):
+    """A model that always emits the stop token still answers each request with exactly its
+    drawn length (rollout/long_tail.py), capped at max_new_tokens; without the workload it stops at
+    once."""
+    from megatron_rl.rollout.long_tail import LongTailLengths
+
+    long_tail = LongTailLengths(median=6, p99=40, seed=2)
+    torch.manual_seed(0)
+    engine = EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=8, seed=0, long_tail=long_tail)
+    ids = [f"r{i}" for i in range(12)]
+    params = SamplingParams(max_new_tokens=30, stop_token_ids=(3,), stream=False)
+
+    async def run(e):
+        await e.pause()
+        await e.update_weights(_biased_weights(e, token=3).items(), version=1)
+        await e.resume()
+        out = await e.generate_n(ids, [1, 2, 5], params)
+        await e.shutdown()
+        return out
+
+    drawn = [long_tail.draw(rid, 30) for rid in ids]
+    assert len(set(drawn)) > 4 and max(drawn) <= 30
+    responses = asyncio.run(run(engine))
+    assert [len(r.token_ids) for r in responses] == drawn
+    assert all(set(r.token_ids.tolist()) == {3} for r in responses)
+    assert [r.finish_reason for r in responses] == ["length"] * len(ids)
+    torch.manual_seed(0)
+    plain = asyncio.run(run(EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=8, seed=0)))
+    assert [len(r.token_ids) for r in plain] == [1] * len(ids)

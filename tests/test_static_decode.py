@@ -113,6 +113,23 @@ def test_buckets():
     assert width_bucket(4000, 3000) == 3000
 
 
+def test_reachable_buckets_cover_every_step_and_stay_few():
+    """Every (live rows, offset) a step can meet lands in a reachable bucket; past 16 widths they
+    grow by an eighth, so a 2 x 16.9k-slot cache needs 33 widths (not 132), at most 1/8 + one
+    WIDTH_STEP of masked slots more than a step needs."""
+    from megatron_rl.rollout.embedded.decode_graphs import (WIDTH_STEP, reachable_buckets, row_bucket,
+                                                            width_bucket, width_buckets)
+
+    cache = 2 * (16384 + 512)
+    widths = width_buckets(cache)
+    assert len(widths) == 33 and widths[-1] == cache and widths[:16] == [WIDTH_STEP * k for k in range(1, 17)]
+    assert all(b - a <= a // 8 + WIDTH_STEP for a, b in zip(widths, widths[1:]))
+    reachable = set(reachable_buckets(256, cache))
+    assert len(reachable) == 33 * 6
+    for slots in (1, 255, 256, 257, 4096, 4097, 20000, cache):
+        assert all((row_bucket(rows, 256), width_bucket(slots, cache)) in reachable for rows in (1, 9, 64, 114, 256))
+
+
 def test_fused_attention_equals_the_matmul_path(megatron_world, monkeypatch):
     """The GPU's attention (torch's fused kernels; a prefill's queries also allowed their own
     slot) gives the real rows what the matmul path gives them: left-padded rows, GQA (qwen2: 4

@@ -30,6 +30,11 @@ class EngineStats:
     prefill_s: float = 0.0
     admit_s: float = 0.0
     decode_s: float = 0.0
+    # Decode buckets captured (CUDA graphs; on a CPU with the static step, buckets registered),
+    # those captured during a run rather than at start (each a stall on a GPU), and their seconds.
+    captures: int = 0
+    late_captures: int = 0
+    capture_s: float = 0.0
 class RolloutEngine(abc.ABC):
     """An asynchronous generation engine holding one version of the policy weights.
 

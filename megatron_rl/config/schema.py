@@ -244,7 +244,7 @@ class RolloutConfig:
     # from, which is what the decoupled loss corrects for).
     recompute_kv_on_update: bool = False
     # On a GPU, the embedded engine replays each decode step from a CUDA graph (one per batch and
-    # cache-width bucket, captured on first use) instead of launching its ~2,000 kernels from
+    # cache-width bucket, all captured when the engine starts) instead of launching its ~2,000 kernels from
     # Python; MoE too where its layers run on the grouped device path (bf16 on Hopper), and
     # multi-latent attention (DeepSeek-V3). Ignored on a CPU.
     cuda_graphs: bool = True
@@ -274,6 +274,13 @@ class RolloutConfig:
     # the same tokens: the largest logprob gap is logged as sync/probe_gap (a check that the
     # engines serve the learner's weights; costs one small request and forward per update).
     check_sync: bool = False
+    # Benchmarks only (rollout/long_tail.py): > 0 gives every request of the embedded engine a
+    # response length drawn from a log-normal of this median (tokens) and 99th percentile
+    # rollout.long_tail_p99, capped at rollout.max_new_tokens, its stop tokens ignored until then,
+    # so random weights produce the long tail of reasoning models' responses. 0: off.
+    long_tail_median: int = 0
+    # The 99th percentile of those lengths (tokens), > rollout.long_tail_median.
+    long_tail_p99: int = 16384
 
 
 @dataclass

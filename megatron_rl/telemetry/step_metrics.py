@@ -24,6 +24,8 @@ class EngineCounters:
             "engine/rows_per_decode": (stats.decode_rows - prev.decode_rows) / steps if steps else 0.0,
             **{f"engine/{kind}_s": getattr(stats, f"{kind}_s") - getattr(prev, f"{kind}_s")
                for kind in ("prefill", "admit", "decode")},
+            # Decode buckets captured during the step after the engine's start (stalls on a GPU).
+            "engine/late_captures": float(stats.late_captures - prev.late_captures),
         }
         self._prev = copy.copy(stats)
         return out

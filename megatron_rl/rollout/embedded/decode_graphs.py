@@ -18,18 +18,26 @@ the step here has static shapes:
 - mixture-of-experts layers route, sort tokens by expert and combine on the device, every token
   with exactly top-k rows (models/grouped_moe.py: ``GroupedMoELayer.without_host_sync``).
 
-One graph is captured per (rows, slots) bucket on first use, all in one memory pool (graphs never
+One graph is captured per (rows, slots) bucket, every bucket the engine can reach
+(``reachable_buckets``: the row buckets up to the engine's batch times the width buckets up to its
+cache) before the first step (``capture_all``): a bucket captured mid-run stalls the batch (a 3.6 s
+admission was measured on an H200 when admission grew a 64-row decode into a 128-row bucket never
+seen before). A bucket that somehow was not captured is captured on use and counted
+(``late_captures``). All graphs share one memory pool (graphs never
 run at once), all writing their logits into one buffer (and, when the engine records routing, every
 MoE layer's chosen experts into another: a graph's own tensors are overwritten by its next replay,
 and a layer's ``choices`` attribute points at the last captured graph's). Weight updates copy into the same
 parameter tensors, so graphs stay valid. On a CPU (``capture=False``) the same static-shape step
-runs eagerly: tests compare it with the eager step.
+runs eagerly: tests compare it with the eager step, and the same bucket registry decides what to
+capture (an eager bucket's "capture" records nothing), so tests count captures.
 Sampling stays outside the graph (it reads the engine's random generator and the rows' streams).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+import functools
+import time
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,6 +47,13 @@ if TYPE_CHECKING:  # megatron-core is imported where a model is built, not with 
 # Attention widths are multiples of this many slots: a step attends over at most this many
 # masked slots more than it needs, and a batch's life crosses one bucket per this many tokens.
 WIDTH_STEP = 256
+# The first this many width buckets are every multiple of WIDTH_STEP; past them each bucket is an
+# eighth wider than the last (rounded up to WIDTH_STEP): a long-context cache (2 x 16k tokens)
+# then needs ~30 width buckets instead of ~130, every one captured at start, for at most 1/8 more
+# masked slots.
+LINEAR_WIDTH_BUCKETS = 16
+
+Bucket = Tuple[int, int]  # (rows, attention width)
 
 
 def row_bucket(rows: int, max_rows: int) -> int:
@@ -50,10 +65,35 @@ def row_bucket(rows: int, max_rows: int) -> int:
     return min(bucket, max_rows)
 
 
-def width_bucket(slots: int, cache_len: int) -> int:
-    """The attention width that covers ``slots`` slots: the next multiple of ``WIDTH_STEP``, capped
+def row_buckets(max_rows: int) -> List[int]:
+    """Every batch size ``row_bucket`` returns for 1..max_rows live rows."""
+    buckets = [8]
+    while buckets[-1] < max_rows:
+        buckets.append(buckets[-1] * 2)
+    return sorted({min(b, max_rows) for b in buckets})
+
+
+def width_buckets(cache_len: int) -> List[int]:
+    """Every attention width a step over a cache of ``cache_len`` slots uses, ascending: the
+    first ``LINEAR_WIDTH_BUCKETS`` multiples of ``WIDTH_STEP``, then an eighth wider each, the last capped
     at the cache's length."""
-    return min(-(-slots // WIDTH_STEP) * WIDTH_STEP, cache_len)
+    widths = [WIDTH_STEP]
+    while widths[-1] < cache_len:
+        last = widths[-1]
+        grow = WIDTH_STEP if last < LINEAR_WIDTH_BUCKETS * WIDTH_STEP else -(-last // 8 // WIDTH_STEP) * WIDTH_STEP
+        widths.append(last + grow)
+    return [min(w, cache_len) for w in widths]
+
+
+def width_bucket(slots: int, cache_len: int) -> int:
+    """The attention width that covers ``slots`` slots: the smallest of ``width_buckets``."""
+    return next(w for w in width_buckets(cache_len) if w >= min(slots, cache_len))
+
+
+def reachable_buckets(max_rows: int, cache_len: int) -> List[Bucket]:
+    """Every (rows, width) bucket an engine of ``max_rows`` rows and ``cache_len`` slots can decode
+    in: each row bucket at each width (admission can grow the batch at any offset)."""
+    return [(rows, width) for width in width_buckets(cache_len) for rows in row_buckets(max_rows)]
 
 
 class CaptureFailed(RuntimeError):
@@ -78,7 +118,14 @@ class StaticDecoder:
         self.slot = torch.zeros(1, dtype=torch.long, device=device)
         self.slot_ids = torch.arange(self.cache_len, device=device)
         self.capture = capture
-        self.graphs: Dict[Tuple[int, int], Tuple["torch.cuda.CUDAGraph", torch.Tensor]] = {}
+        self._widths = width_buckets(self.cache_len)
+        # Per bucket, what runs its step: a CUDA graph's replay (``capture``), else the eager
+        # static step. One registry either way, so what gets captured when is the same on a CPU.
+        self.graphs: Dict[Bucket, Callable[[], Tuple[torch.Tensor, Optional[torch.Tensor]]]] = {}
+        self.captures = 0  # buckets captured (recorded, on a CPU) so far
+        self.late_captures = 0  # of which after ``capture_all``: during a run, on the hot path
+        self.capture_s = 0.0
+        self._started = False  # ``capture_all`` has run
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         # Every graph writes its logits here ([max_rows, V]): one buffer, not one per graph (each
         # [rows, V] of a 152k vocabulary; dozens of buckets would hold gigabytes).
@@ -92,21 +139,48 @@ class StaticDecoder:
         layers their choices [rows, layers, top_k] (else None). Under graphs both are the graphs'
         buffers: read them before the next step's replay (stream order does, on a GPU)."""
         rows = last.size(0)
-        bucket = (row_bucket(rows, self.max_rows), width_bucket(offset + 1, self.cache_len))
+        bucket = self.bucket(rows, offset)
         self.tokens[:rows, 0].copy_(last)
         self.slot.fill_(offset)
         self.positions.fill_(offset)
+        logits, choices = self._runner(bucket)()
+        return logits[:rows], None if choices is None else choices[:rows]
+
+    def bucket(self, rows: int, offset: int) -> Bucket:
+        """The bucket a step of ``rows`` live rows writing slot ``offset`` runs in."""
+        width = next(w for w in self._widths if w >= offset + 1)
+        return row_bucket(rows, self.max_rows), width
+
+    def capture_all(self) -> None:
+        """Capture every bucket the engine can reach (``reachable_buckets``), before the first
+        step: then no admission or width crossing captures during a run. They write the cache
+        slot the step buffers point at (slot 0): call this before the first prefill."""
+        for bucket in reachable_buckets(self.max_rows, self.cache_len):
+            self._runner(bucket)
+        self._started = True
+
+    def _runner(self, bucket: Bucket) -> Callable[[], Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        runner = self.graphs.get(bucket)
+        if runner is not None:
+            return runner
+        start = time.perf_counter()
         if not self.capture:
-            logits, choices = self._forward(*bucket)
-            return logits[:rows], None if choices is None else choices[:rows]
-        graph = self.graphs.get(bucket)
-        if graph is None:
+            runner = functools.partial(self._forward, *bucket)
+        else:
             try:
-                graph = self.graphs[bucket] = self._record(*bucket)
+                graph = self._record(*bucket)
             except Exception as exc:  # noqa: BLE001 - e.g. an op that cannot be captured
                 raise CaptureFailed(f"capturing the decode step of bucket {bucket} failed: {exc}") from exc
-        graph[0].replay()
-        return self.logits[:rows], None if self.choices is None else self.choices[:rows]
+            runner = functools.partial(self._replay, graph)
+        self.graphs[bucket] = runner
+        self.captures += 1
+        self.late_captures += self._started
+        self.capture_s += time.perf_counter() - start
+        return runner
+
+    def _replay(self, graph: "torch.cuda.CUDAGraph") -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        graph.replay()
+        return self.logits, self.choices
 
     def _forward(self, rows: int, width: int) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         context = self.context
@@ -122,7 +196,7 @@ class StaticDecoder:
             choices = torch.stack([layer.choices for layer in self.routed], dim=1)
         return logits[:, -1, :], choices
 
-    def _record(self, rows: int, width: int) -> Tuple["torch.cuda.CUDAGraph", torch.Tensor]:
+    def _record(self, rows: int, width: int) -> "torch.cuda.CUDAGraph":
         """Capture one bucket's step. Warm-up runs first, on a side stream as capture needs (they
         make cuBLAS's workspaces and any lazily built buffers); they rewrite the current slot with
         the same values the replay will write."""
@@ -145,7 +219,7 @@ class StaticDecoder:
             self.logits[:rows].copy_(logits)
             if choices is not None:
                 self.choices[:rows].copy_(choices)
-        return graph, self.logits[:rows]
+        return graph
 
 
 def static_decode_supported(model: torch.nn.Module) -> bool:

@@ -44,6 +44,7 @@ from ...models.lora import add_lora, is_adapter_name
 from ...trajectory_buffers import response_arrays
 from ...types import GenerationChunk, SamplingParams
 from ...api.engine import EngineError, EngineStats, RolloutEngine  # noqa: F401 - EngineStats: its old home
+from ..long_tail import LongTailLengths
 from ..sampling import Stream, request_key
 from .generator import KVCachedGenerator, PendingStep, Sampled
 
@@ -100,6 +101,9 @@ class _Request:
     routing_emitted: int = 0
     # Key of the request's random stream (None: unseeded, the engine's generator draws its tokens).
     key: Optional[int] = field(init=False, default=None)
+    # A benchmark's forced response length (rollout/long_tail.py): the request's stop tokens are
+    # ignored and it ends at this many tokens. None: its own max_new_tokens and stop tokens.
+    forced_length: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None:
@@ -122,7 +126,13 @@ class _Request:
 
     @property
     def remaining(self) -> int:
-        return self.params.max_new_tokens - len(self.tokens)
+        budget = self.params.max_new_tokens if self.forced_length is None else self.forced_length
+        return budget - len(self.tokens)
+
+    @property
+    def stop_token_ids(self) -> tuple:
+        """The tokens that end this request: none under a forced length."""
+        return self.params.stop_token_ids if self.forced_length is None else ()
 
     def add_routing(self, computed: np.ndarray) -> None:
         """The routing of this request's last ``len(computed)`` positions (those up to its
@@ -157,12 +167,15 @@ def bind_thread_to_device(device: torch.device) -> None:
         torch.cuda.set_device(device)
 
 
-def engine_options(cfg: RootConfig) -> Dict[str, Union[bool, int]]:
+def engine_options(cfg: RootConfig) -> Dict[str, Union[bool, int, Optional[LongTailLengths]]]:
     """The settings an embedded engine takes as keyword arguments, wherever it is built (in the
     trainer's process, in a process of its own, on an engine rank)."""
     rollout = cfg.rollout
+    long_tail = None
+    if rollout.long_tail_median:
+        long_tail = LongTailLengths(rollout.long_tail_median, rollout.long_tail_p99, cfg.trainer.seed)
     return dict(recompute_kv_on_update=rollout.recompute_kv_on_update, cuda_graphs=rollout.cuda_graphs,
-                record_routing=rollout.record_routing, max_seq_len=engine_context_tokens(cfg))
+                record_routing=rollout.record_routing, max_seq_len=engine_context_tokens(cfg), long_tail=long_tail)
 
 
 def engine_context_tokens(cfg: RootConfig) -> int:
@@ -181,7 +194,8 @@ class EmbeddedEngine(RolloutEngine):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256,
                  seed: int = 0, version: int = 0, executor: Optional[ThreadPoolExecutor] = None,
                  recompute_kv_on_update: bool = False, cuda_graphs: bool = True, record_routing: bool = True,
-                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None):
+                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None,
+                 static_decode: bool = False, long_tail: Optional[LongTailLengths] = None):
         """``executor``: the thread to compute on; pass the learner's when the two never run at
         once (η = 0), so one thread team owns the CPU cores. By default the engine has its own.
         ``record_routing``: a mixture of experts returns its routing on the chunks (see above).
@@ -189,7 +203,9 @@ class EmbeddedEngine(RolloutEngine):
         the model's max_position_embeddings). ``lora``: the model carries the learner's LoRA
         adapters and applies them unmerged (base matmul + low-rank path, in prefill and decode);
         ``update_weights`` then takes adapter tensors under their Megatron names (``...lora_a``)
-        beside or without the base's HF tensors."""
+        beside or without the base's HF tensors. ``static_decode``: the static-shape decode step
+        without CUDA graphs, on a CPU too (tests count its bucket captures). ``long_tail``: a
+        benchmark's forced response lengths (rollout/long_tail.py)."""
         self.model_cfg = model_cfg
         self.model = build_gpt_model(model_cfg, vocab_size, kv_attention=True)
         self.lora = lora is not None and lora.rank > 0
@@ -199,7 +215,8 @@ class EmbeddedEngine(RolloutEngine):
         self.device = model_device()
         self._gen = KVCachedGenerator(self.model, max_batch_size, max_seq_len or model_cfg.max_position_embeddings,
                                       self.device, seed=seed, cuda_graphs=cuda_graphs,
-                                      record_routing=record_routing)
+                                      static_decode=static_decode, record_routing=record_routing)
+        self.long_tail = long_tail
         self._version = version
         self._recompute_kv_on_update = recompute_kv_on_update
         self._owns_executor = executor is None
@@ -235,7 +252,7 @@ class EmbeddedEngine(RolloutEngine):
         """The request joins the queue now, not at the stream's first step: an abort made after
         this call (e.g. the next message from the trainer's process) always finds it."""
         self._check_request(request_id, prompt_ids, params)
-        req = _Request(request_id, list(prompt_ids), params, queue=asyncio.Queue())
+        req = self._request(request_id, list(prompt_ids), params, queue=asyncio.Queue())
         self._enqueue([req])
         return self._stream(req)
 
@@ -246,11 +263,17 @@ class EmbeddedEngine(RolloutEngine):
         self._check_request(request_ids[0] if request_ids else "", prompt_ids, params)
         group = _Group(len(request_ids))
         prompt = list(prompt_ids)
-        self._enqueue([_Request(rid, prompt, params, group=(group, i)) for i, rid in enumerate(request_ids)])
+        self._enqueue([self._request(rid, prompt, params, group=(group, i)) for i, rid in enumerate(request_ids)])
         group.future.add_done_callback(lambda done: done.cancelled() and self._abort_now(set(request_ids)))
         if not request_ids:
             group.future.set_result([])
         return group.future
+
+    def _request(self, request_id: str, prompt: List[int], params: SamplingParams, **output) -> _Request:
+        req = _Request(request_id, prompt, params, **output)
+        if self.long_tail is not None:
+            req.forced_length = self.long_tail.draw(request_id, params.max_new_tokens)
+        return req
 
     def _check_request(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         self._ensure_started()
@@ -391,10 +414,22 @@ class EmbeddedEngine(RolloutEngine):
             took = time.perf_counter() - start
             self.stats.compute_s += took
             setattr(self.stats, f"{kind}_s", getattr(self.stats, f"{kind}_s") + took)
+            self._count_captures()
             return out
+
+    async def _capture_decode_buckets(self) -> None:
+        """Before the first step: capture every decode bucket a run can reach, so admission into
+        a running decode (or a width crossing) never captures one mid-run."""
+        async with self._step_lock:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._gen.capture_decode_buckets)
+            self._count_captures()
+
+    def _count_captures(self) -> None:
+        self.stats.captures, self.stats.late_captures, self.stats.capture_s = self._gen.captures
 
     async def _serve(self) -> None:
         try:
+            await self._capture_decode_buckets()
             while True:
                 self._retire_aborted()
                 if self._paused or not (self._rows or self._pending):
@@ -454,7 +489,7 @@ class EmbeddedEngine(RolloutEngine):
                 # A full batch: nothing can join, rebuild or compact until a row finishes (then
                 # its row is free), so a burst runs until then.
                 stop_at = 1
-        live = [None if req.finish is not None else (req.params.stop_token_ids, req.remaining) for req in self._batch]
+        live = [None if req.finish is not None else (req.stop_token_ids, req.remaining) for req in self._batch]
         steps = await self._compute("decode", self._decode_burst, running[0].params, live, stop_at, budget)
         for sampled in steps or ():
             self._record_step(sampled)
@@ -599,7 +634,7 @@ class EmbeddedEngine(RolloutEngine):
             req.tokens.append(tok)
             req.logprobs.append(lp)
             req.versions.append(self._version)
-            if tok in req.params.stop_token_ids:
+            if tok in req.stop_token_ids:
                 req.finish = "stop"
             elif req.remaining <= 0:
                 req.finish = "length"

@@ -161,6 +161,26 @@ class KVCachedGenerator:
     def records_routing(self) -> bool:
         return bool(self._routed)
 
+    @torch.no_grad()
+    def capture_decode_buckets(self) -> None:
+        """Capture every decode bucket the engine can reach (decode_graphs.py), so that no step of
+        a run captures one; before the first prefill (the captures write cache slot 0). Without a
+        static decoder (an eager model, or a CPU without ``static_decode``) nothing to do."""
+        if self._static is None:
+            return
+        try:
+            self._static.capture_all()
+        except CaptureFailed as exc:
+            logger.warning("%s; decoding without CUDA graphs", exc)
+            self._static = None
+
+    @property
+    def captures(self) -> Tuple[int, int, float]:
+        """Decode buckets captured so far, how many of them during a run (after
+        ``capture_decode_buckets``), and the seconds all captures took."""
+        static = self._static
+        return (0, 0, 0.0) if static is None else (static.captures, static.late_captures, static.capture_s)
+
     def check_request(self, prompt_len: int, max_new_tokens: int) -> None:
         if prompt_len + max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt of {prompt_len} tokens + max_new_tokens={max_new_tokens} exceeds "

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 
 from ...config.schema import LoraConfig, ModelConfig
 from ..client import EngineClient
+from ..long_tail import LongTailLengths
 from ...api.engine import EngineError
 from ...lifetime import die_with_parent
 
@@ -40,7 +41,8 @@ class EngineProcess(EngineClient):
     def __init__(self, model_cfg: ModelConfig, vocab_size: int, max_batch_size: int = 256, seed: int = 0,
                  cpu_threads: int = 1, recompute_kv_on_update: bool = False, start_timeout_s: float = 300.0,
                  device_index: Optional[int] = None, cuda_graphs: bool = True, record_routing: bool = True,
-                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None):
+                 max_seq_len: Optional[int] = None, lora: Optional[LoraConfig] = None,
+                 long_tail: Optional[LongTailLengths] = None):
         """``device_index``: the GPU the child computes on (None: CUDA's default device, cuda:0).
         ``lora``: the child's engine applies LoRA adapters unmerged (``EmbeddedEngine``)."""
         ctx = mp.get_context("spawn")
@@ -50,7 +52,8 @@ class EngineProcess(EngineClient):
                        max_batch_size=max_batch_size, seed=seed, cpu_threads=cpu_threads,
                        recompute_kv_on_update=recompute_kv_on_update, device_index=device_index,
                        cuda_graphs=cuda_graphs, record_routing=record_routing, max_seq_len=max_seq_len,
-                       lora=dataclasses.asdict(lora) if lora is not None else None, parent_pid=os.getpid())
+                       lora=dataclasses.asdict(lora) if lora is not None else None, long_tail=long_tail,
+                       parent_pid=os.getpid())
         self._proc = ctx.Process(target=_child_main, args=(child, options), name="embedded-engine", daemon=True)
         self._proc.start()
         child.close()
@@ -116,7 +119,8 @@ def _child_main(conn, options: Dict[str, Any]) -> None:
                                 recompute_kv_on_update=options["recompute_kv_on_update"],
                                 cuda_graphs=options["cuda_graphs"], record_routing=options["record_routing"],
                                 max_seq_len=options["max_seq_len"],
-                                lora=LoraConfig(**options["lora"]) if options["lora"] else None)
+                                lora=LoraConfig(**options["lora"]) if options["lora"] else None,
+                                long_tail=options["long_tail"])
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which raises
         conn.send(("failed", repr(err)))
         return
