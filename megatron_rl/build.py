@@ -44,7 +44,8 @@ from .rollout.embedded.engine import bind_thread_to_device
 from .rollout.workflow import Workflow, build_workflow
 from .telemetry.run_context import RunContext
 from .models.lora import engine_applies_adapters, merged_fallback
-from .weights.transports import Transport, transport_for
+from .weights.transport_registry import transport_for
+from .weights.transports import Transport
 
 if TYPE_CHECKING:
     from .trainer import Trainer

@@ -12,8 +12,8 @@ import pytest
 import megatron_rl
 from megatron_rl.errors import ConfigError
 from megatron_rl.api.engine import EngineError
-from megatron_rl.weights.transports import (TRANSPORTS, BroadcastSender, ChannelReceiver, LocalEngineSender,
-                                            WorldReceiver, check_version, transport_for)
+from megatron_rl.weights.transport_registry import TRANSPORTS, transport_for
+from megatron_rl.weights.transports import BroadcastSender, ChannelReceiver, LocalEngineSender, WorldReceiver, check_version
 
 
 @pytest.mark.parametrize("kind, placement, name, sender, receiver", [

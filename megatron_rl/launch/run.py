@@ -79,7 +79,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     from ..learner.worker import LearnerWorker
     from ..models.lora import engine_applies_adapters
     from ..stop import install_stop_handlers
-    from ..weights.transports import learner_sender
+    from ..weights.transport_registry import learner_sender
 
     install_stop_handlers()  # a stop signal to any learner rank stops the run after its step
 
@@ -150,7 +150,8 @@ def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: st
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
-    from ..weights.transports import ChannelLinks, engine_receiver
+    from ..weights.transport_registry import engine_receiver
+    from ..weights.transports import ChannelLinks
 
     entry = engine_entry(cfg)
     if entry.first_rank_hosts and member != 0:
@@ -184,7 +185,7 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
-    from ..weights.transports import engine_receiver
+    from ..weights.transport_registry import engine_receiver
 
     _leave_stops_to_the_driver()
     # Each engine samples with its own stream of random numbers (unless seeded by request).

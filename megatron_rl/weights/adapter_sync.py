@@ -11,7 +11,7 @@ weights: the engine runs at TP = 1), a fused A once. Each push is the engine's t
 swap (pause, load, resume), so in-flight requests continue on the new version and every token
 carries the version that sampled it, as with full weights.
 
-Entries by placement (``ADAPTER_TRANSPORTS``, looked up by ``transports.transport_for``):
+Entries by placement (``ADAPTER_TRANSPORTS``, looked up by ``transport_registry.transport_for``):
 - one_process: ``AdapterTransport`` hands the tensors to the engine (or its process);
 - colocated: every learner rank gathers every stage's (``export.all_stage_tensors``) and loads
   its own engine (``AdapterLocalSender``);
