@@ -167,8 +167,8 @@ async def _drive(engines, learners: LearnerGroup, steps: int, groups: int, group
     pool = EnginePool(engines) if len(engines) > 1 else engines[0]
     params = SamplingParams(max_new_tokens=new_tokens, stream=False)
     # The fake engines never change weights (every token is version 0): a staleness bound past the
-    # last step keeps the controller from evicting them; one batch runs at a time.
-    ledger = PromptLedger(_prompts(prompt_len), StalenessManager(steps + 1, groups, groups))
+    # last step keeps the controller from evicting them; one batch runs or waits at a time.
+    ledger = PromptLedger(_prompts(prompt_len), StalenessManager(steps + 1, groups, groups), max_ahead_groups=groups)
     trained = TrainedBatches(run_dir, first_step=1)
     rng = np.random.default_rng(0)
 
