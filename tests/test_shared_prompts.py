@@ -107,11 +107,12 @@ def test_shared_prompts_train_exactly_as_separate_rows(megatron_world, budget):
 
 
 def test_share_prompts_refuses_what_it_cannot_lay_out(megatron_world, monkeypatch):
-    from megatron_rl.checks import load_config
+    from megatron_rl.checks import WORLD, load_config
     from megatron_rl.config import ConfigError
 
+    # A pipeline runs in the torchrun world only: checked for that placement.
     with pytest.raises(ConfigError, match=r"learner.share_prompts=true is not supported with learner.pp > 1"):
-        load_config("tiny_cpu", ["learner.share_prompts=true", "learner.pp=2"])
+        load_config("tiny_cpu", ["learner.share_prompts=true", "learner.pp=2"], placement=WORLD)
     with pytest.raises(ConfigError, match=r"multi-head latent attention"):
         load_config("tiny_cpu", ["learner.share_prompts=true", "model.family=deepseek_v3", "model.kv_lora_rank=16",
                                  "model.num_experts=4"])
