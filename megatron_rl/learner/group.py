@@ -52,12 +52,9 @@ class LearnerGroup:
             return getattr(self.worker, name)(*args)
         try:
             dist.broadcast_object_list([(name, args)], src=DRIVER, group=self.control_group)
-            return getattr(self.worker, name)(*args)
-        except LearnerRanksFailed:
-            raise
         except RuntimeError as err:  # torch's DistBackendError (a dead or silent peer) is one
-            raise LearnerRanksFailed(f"{name} failed among learner ranks {list(self.ranks)}: {err}".strip()
-                                     + " (a rank died or timed out: see its log)") from err
+            raise self._failed(name, err) from err
+        return self._run(name, *args)
 
     def train(self, groups: Sequence[Sequence[Trajectory]], version: int, lr: float,
               teachers: Optional[List[str]] = None) -> Dict[str, float]:
@@ -82,8 +79,7 @@ class LearnerGroup:
             for request in sends:
                 request.wait()
         except RuntimeError as err:
-            raise LearnerRanksFailed(f"sending the batch to learner ranks {list(self.ranks)} failed: {err}".strip()
-                                     + " (a rank died or timed out: see its log)") from err
+            raise self._failed("sending the batch", err) from err
         sent_s = time.perf_counter() - start
         mine = shares[replicas[DRIVER][0]]
         metrics = self._run("train_share", [trajs[i] for i in mine.rows], mine, version, lr)
@@ -101,9 +97,15 @@ class LearnerGroup:
     def _run(self, name: str, *args: Any) -> Any:
         try:
             return getattr(self.worker, name)(*args)
-        except RuntimeError as err:
-            raise LearnerRanksFailed(f"{name} failed among learner ranks {list(self.ranks)}: {err}".strip()
-                                     + " (a rank died or timed out: see its log)") from err
+        except LearnerRanksFailed:
+            raise
+        except RuntimeError as err:  # torch's DistBackendError (a dead or silent peer) is one
+            raise self._failed(name, err) from err
+
+    def _failed(self, what: str, err: BaseException) -> LearnerRanksFailed:
+        """The one-line error of a call (or a send) that failed among the learner ranks."""
+        return LearnerRanksFailed(f"{what} failed among learner ranks {list(self.ranks)}: {err}".strip()
+                                  + " (a rank died or timed out: see its log)")
 
     def close(self) -> None:
         """Let the other learner ranks leave ``serve_learner``."""
