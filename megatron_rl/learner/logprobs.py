@@ -7,7 +7,9 @@ Why chunks: the log-softmax of a large vocabulary in fp32 is the largest tensor 
 (16k tokens × 151,936 entries × 4 bytes = 10 GB, and a naive forward + backward keeps several such
 tensors alive). Here the logits stay in their own dtype; fp32 work runs on a few hundred tokens at a
 time, and only per-token statistics (log-normaliser, entropy) are kept for the backward, which
-recomputes each chunk's softmax instead of storing it.
+recomputes each chunk's softmax instead of storing it. On a GPU with triton the chunks give way
+to two Triton kernels (``logprob_kernels.py``): one read of the logits for the statistics, one read
+and one write for the gradient.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Optional, Tuple
 import torch
 
 from ..compiled import CompiledOrEager
+from . import logprob_kernels
 
 # fp32 elements of one chunk's working tensors (a few of them are alive at once): 2**25 is 128 MB,
 # ~220 tokens of a 152k vocabulary. On a GPU each chunk is a call of a compiled function whose
@@ -78,6 +81,31 @@ FORWARD_CHUNK = CompiledOrEager(forward_chunk, "logprob forward kernel")
 BACKWARD_CHUNK = CompiledOrEager(backward_chunk, "logprob backward kernel")
 
 
+def _chunked_statistics(logits: torch.Tensor, local_targets: torch.Tensor, in_range: torch.Tensor, temperature: float,
+                        chunk_elements: int, group, with_entropy: bool):
+    """(log Z, logprob of the target, entropy) per row, a chunk of rows at a time (any device)."""
+    n, width = logits.shape
+    dev = logits.device
+    maxes = torch.empty(n, dtype=torch.float32, device=dev)
+    if group is not None:  # every rank shifts by the same (global) max so sums add up
+        for c in _chunks(n, width, chunk_elements):
+            maxes[c] = logits[c].max(dim=-1).values.float() / temperature
+        torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
+    # sum of exp, sum of exp * shifted logit, target logit; one all-reduce for the three.
+    sums = torch.zeros(3, n, dtype=torch.float32, device=dev)
+    for c in _chunks(n, width, chunk_elements):
+        m, sum_exp, weighted, target = FORWARD_CHUNK(logits[c], local_targets[c], in_range[c], temperature,
+                                                    maxes[c] if group is not None else None)
+        maxes[c], sums[0, c], sums[1, c], sums[2, c] = m, sum_exp, weighted, target
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    log_sum = sums[0].log()
+    log_norm = maxes + log_sum  # log Z of softmax(logits / T)
+    logprobs = sums[2] - log_norm
+    entropy = log_sum - sums[1] / sums[0] if with_entropy else torch.zeros_like(log_sum)
+    return log_norm, logprobs, entropy
+
+
 class _ChunkedLogprobEntropy(torch.autograd.Function):
     """(logprob of the target, entropy) per token for logits [N, V_local]; see module docstring."""
 
@@ -86,28 +114,20 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
                 with_entropy: bool):
         group, rank, _ = _tp_group()
         n, width = logits.shape
-        vocab_start = rank * width
-        dev = logits.device
-        maxes = torch.empty(n, dtype=torch.float32, device=dev)
-        if group is not None:  # every rank shifts by the same (global) max so sums add up
-            for c in _chunks(n, width, chunk_elements):
-                maxes[c] = logits[c].max(dim=-1).values.float() / temperature
-            torch.distributed.all_reduce(maxes, op=torch.distributed.ReduceOp.MAX, group=group)
-        # sum of exp, sum of exp * shifted logit, target logit; one all-reduce for the three.
-        sums = torch.zeros(3, n, dtype=torch.float32, device=dev)
-        local_targets = targets - vocab_start
+        local_targets = targets - rank * width
         in_range = (local_targets >= 0) & (local_targets < width)
         local_targets = torch.where(in_range, local_targets, torch.zeros_like(local_targets))
-        for c in _chunks(n, width, chunk_elements):
-            m, sum_exp, weighted, target = FORWARD_CHUNK(logits[c], local_targets[c], in_range[c], temperature,
-                                                        maxes[c] if group is not None else None)
-            maxes[c], sums[0, c], sums[1, c], sums[2, c] = m, sum_exp, weighted, target
-        if group is not None:
-            torch.distributed.all_reduce(sums, group=group)
-        log_sum = sums[0].log()
-        log_norm = maxes + log_sum  # log Z of softmax(logits / T)
-        logprobs = sums[2] - log_norm
-        entropy = log_sum - sums[1] / sums[0] if with_entropy else torch.zeros_like(log_sum)
+        ctx.kernels = logprob_kernels.available(logits)
+        if ctx.kernels:  # one read of the logits on a GPU (learner/logprob_kernels.py)
+            stats = logprob_kernels.row_statistics(logits, local_targets, in_range, temperature)
+            if group is not None:
+                stats = logprob_kernels.combine_shards(stats, group)
+            log_norm, logprobs, entropy = logprob_kernels.reduce_statistics(stats)
+            if not with_entropy:
+                entropy = torch.zeros_like(log_norm)
+        else:
+            log_norm, logprobs, entropy = _chunked_statistics(logits, local_targets, in_range, temperature,
+                                                              chunk_elements, group, with_entropy)
         ctx.save_for_backward(logits, local_targets, in_range, log_norm, entropy)
         ctx.temperature = temperature
         ctx.chunk_elements = chunk_elements
@@ -123,6 +143,11 @@ class _ChunkedLogprobEntropy(torch.autograd.Function):
             grad_logprobs = torch.zeros_like(log_norm)
         if grad_entropy is None:
             grad_entropy = torch.zeros_like(log_norm)
+        if ctx.kernels:
+            grad = logprob_kernels.logits_gradient(logits, local_targets, in_range, log_norm, entropy,
+                                                   grad_logprobs.float().contiguous(),
+                                                   grad_entropy.float().contiguous(), ctx.temperature)
+            return grad, None, None, None, None
         n, width = logits.shape
         grad = torch.empty_like(logits)
         for c in _chunks(n, width, ctx.chunk_elements):
