@@ -3,6 +3,7 @@ apex (learner/multi_tensor.py), against float64 and per-tensor references."""
 
 import math
 
+import pytest
 import torch
 
 from megatron_rl.learner.multi_tensor import foreach_l2norm, foreach_scale, use_foreach_kernels
@@ -94,6 +95,7 @@ def test_token_count_scaling_of_the_gradient_buffers_takes_a_float(megatron_worl
     model = build_gpt_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                         ffn_hidden_size=48), vocab_size=64)
     wrapped, _ = wrap_for_training(model, LearnerConfig(), bf16=False, lr=1e-3)
+    wrapped.defer_scale = False  # the folded step's deferral: test_folded_step below
     buffer = wrapped.buffers[0].grad_data
     buffer.copy_(torch.randn(buffer.shape, generator=torch.Generator().manual_seed(1)))
     factor = 1.0 / torch.tensor(7, dtype=torch.int)  # what finalize_model_grads passes
@@ -107,3 +109,50 @@ def test_token_count_scaling_of_the_gradient_buffers_takes_a_float(megatron_worl
         type(wrapped.buffers[0]).scale_gradients = original
     assert seen and all(isinstance(f, float) for f in seen)
     assert torch.equal(buffer, expected)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1e-3, 1e6])  # off, clipping, a bound above the norm
+@pytest.mark.parametrize("bf16", [False, True])
+def test_folded_step_equals_megatrons_scale_clip_and_adam(megatron_world, clip, bf16):
+    """The learner's step with the 1 / tokens factor and the clip folded into fused Adam's unscale
+    (learner/folded_step.py) gives megatron-core's step (scale the buffers, clip, Adam): the same
+    gradient norm and weights, and skips a NaN gradient leaving weights and Adam state alone."""
+    from megatron_rl.config.schema import LearnerConfig, ModelConfig
+    from megatron_rl.learner.folded_step import folded_step, torch_fused_adams
+    from megatron_rl.learner.megatron_step import wrap_for_training
+    from megatron_rl.models.gpt import build_gpt_model
+
+    def build():
+        torch.manual_seed(0)
+        model = build_gpt_model(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                            ffn_hidden_size=48, dtype="bf16" if bf16 else "fp32"), vocab_size=64)
+        # A large eps: the update then grows with the gradient (Adam alone is blind to its scale).
+        return wrap_for_training(model, LearnerConfig(clip_grad=clip, weight_decay=0.1, adam_eps=1e-2), bf16=bf16, lr=1e-2)
+
+    (folded, folded_opt), (plain, plain_opt) = build(), build()
+    assert folded.defer_scale and torch_fused_adams(folded_opt)
+    plain.defer_scale = False
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        grads = [torch.randn(b.grad_data.shape, generator=gen) * 10 for b in folded.buffers]
+        factor = 1.0 / torch.tensor(7 + step, dtype=torch.int)  # what finalize_model_grads passes
+        for model in (folded, plain):
+            for b, g in zip(model.buffers, grads):
+                b.grad_data.copy_(g)
+            model.scale_gradients(factor)
+        cause, norm = folded_step(folded_opt, folded.take_grad_factor())
+        ok, expected_norm, _ = plain_opt.step()
+        assert cause is None and ok
+        assert norm == pytest.approx(expected_norm, rel=1e-6)
+        main = lambda opt: [p for g in opt.optimizer.param_groups for p in g["params"]]  # noqa: E731 (fp32)
+        for a, b in zip(main(folded_opt), main(plain_opt)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        for a, b in zip(folded.parameters(), plain.parameters()):  # a bf16 rounding apart at most
+            torch.testing.assert_close(a, b, rtol=2 ** -7 if bf16 else 1e-6, atol=1e-7)
+    weights = [p.detach().clone() for p in folded.parameters()]
+    state = [s["exp_avg"].clone() for s in folded_opt.optimizer.state.values()]
+    folded.buffers[0].grad_data[3] = float("nan")
+    cause, norm = folded_step(folded_opt, 0.5)
+    assert cause == "the gradient norm is not finite" and norm is None
+    assert all(torch.equal(a, b) for a, b in zip(weights, folded.parameters()))
+    assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(state, folded_opt.optimizer.state.values()))

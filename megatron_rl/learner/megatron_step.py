@@ -17,6 +17,7 @@ from .batch import (MICRO_BATCH_OVERHEAD_TOKENS, MicroBatch, build_micro_batches
                     response_values)
 from .data_parallel import (from_last_stage, gather_shares, is_local, local_share, sum_over_replicas,
                             uniform_micro_batches)
+from .folded_step import folded_step, torch_fused_adams
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,9 @@ def wrap_for_training(model: torch.nn.Module, lc: LearnerConfig, bf16: bool, lr:
         accumulate_expert_grads_into_main_grad(model)
     model.config.finalize_model_grads_func = finalize_model_grads
     model.config.grad_scale_func = optimizer.scale_loss
-    if torch.cuda.is_available():
-        use_fused_adam(optimizer)
+    use_fused_adam(optimizer)
+    # The 1 / tokens factor and the clip go into fused Adam's unscale (learner/folded_step.py).
+    wrapped.defer_scale = bool(torch_fused_adams(optimizer))
     return wrapped, optimizer
 
 
@@ -79,20 +81,34 @@ def _scalar_scaled_ddp_class():
         times a device scalar runs torch's broadcasting kernel (8.8 ms for the 11 GB fp32 buffer of
         a 2.8 B-parameter MoE on an H200) instead of the vectorised one. Reading the value costs no
         extra wait: finalize has just compared it with 0 on the host. Same product (the fp32 factor
-        converts exactly)."""
+        converts exactly). With ``defer_scale`` the factor is kept (``take_grad_factor``) instead of
+        applied: the optimizer step folds it into Adam (learner/folded_step.py)."""
+
+        defer_scale = False
+        pending_factor = 1.0
 
         def scale_gradients(self, scaling_factor) -> None:
             if isinstance(scaling_factor, torch.Tensor):
                 scaling_factor = float(scaling_factor)
+            if self.defer_scale:
+                self.pending_factor *= scaling_factor
+                return
             super().scale_gradients(scaling_factor)
+
+        def take_grad_factor(self) -> float:
+            """The factor the gradients still lack (1 when none was deferred); resets it."""
+            factor, self.pending_factor = self.pending_factor, 1.0
+            return factor
 
     return ScalarScaledDDP
 
 
 def use_fused_adam(optimizer) -> int:
     """Switch the torch Adam/AdamW under a Megatron optimizer (the fallback without TransformerEngine
-    or apex) to its fused single-kernel step: torch's default there is ``foreach``, a few kernels
-    per tensor group. The update is the same; returns how many torch optimizers were switched."""
+    or apex) to its fused single-kernel step (on a GPU and on a CPU): torch's default there is
+    ``foreach``, a few kernels per tensor group. The update is the same, and the fused step can
+    unscale the gradients as it reads them (learner/folded_step.py); returns how many torch
+    optimizers were switched."""
     switched = 0
     for megatron_opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         inner = getattr(megatron_opt, "optimizer", None)
@@ -136,11 +152,20 @@ def optimizer_step(model: torch.nn.Module, optimizer, mbs: Sequence[MicroBatch],
     stats = sum_over_replicas(from_last_stage(stats))  # the same on every learner rank
     # Megatron's optimizer finds inf/NaN gradients only under fp16 loss scaling; in bf16 and fp32
     # it would apply them, and one step of NaN gradients makes every weight NaN for good.
-    cause = nonfinite_cause(model, stats.get("loss_sum"))
-    ok = cause is None
-    if ok:
-        ok, grad_norm, _ = optimizer.step()
-        cause = None if ok else "non-finite gradients (fp16 loss scaling)"
+    if getattr(model, "defer_scale", False):
+        factor = model.take_grad_factor()
+        grad_norm = None
+        if nonfinite_loss(stats.get("loss_sum")):  # skipped: name the gradients' state too
+            cause = nonfinite_cause(model, stats.get("loss_sum"))
+        else:  # the gradient norm is the gradients' non-finite check
+            cause, grad_norm = folded_step(optimizer, factor)
+        ok = cause is None
+    else:
+        cause = nonfinite_cause(model, stats.get("loss_sum"))
+        ok = cause is None
+        if ok:
+            ok, grad_norm, _ = optimizer.step()
+            cause = None if ok else "non-finite gradients (fp16 loss scaling)"
     if not ok:
         logger.warning("%s optimizer step skipped: %s; the weights stay as they were", what, cause)
         grad_norm = None
@@ -152,14 +177,17 @@ def nonfinite_cause(model: torch.nn.Module, loss_sum: Optional[float]) -> Option
     """Why the optimizer step must not be taken: a non-finite loss or gradient on any learner
     rank (None: it may be). Every rank gets the same answer, so all of them skip together (the
     loss sum is already the same on every rank)."""
-    problems = []
-    if loss_sum is not None and not math.isfinite(loss_sum):
-        problems.append(f"the loss is {loss_sum}")
+    problems = [nonfinite_loss(loss_sum)] if nonfinite_loss(loss_sum) else []
     # The largest magnitude of each gradient buffer is inf or NaN exactly when some entry is:
     # one read of the buffer, where isfinite().all() writes a boolean copy of it first.
     if _on_any_rank(model, [~torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in _gradients(model)]):
         problems.append("the gradient norm is not finite")
     return " and ".join(problems) or None
+
+
+def nonfinite_loss(loss_sum: Optional[float]) -> Optional[str]:
+    """``the loss is nan`` (or inf) when the step's loss sum is not finite, else None."""
+    return f"the loss is {loss_sum}" if loss_sum is not None and not math.isfinite(loss_sum) else None
 
 
 def weights_finite(model: torch.nn.Module) -> bool:
