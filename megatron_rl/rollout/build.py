@@ -160,8 +160,8 @@ def _has_cuda() -> bool:
 
 def check_vllm(cfg: RootConfig, placement: str) -> None:
     """What vLLM cannot run: MoE weights on a CPU; the long-tail benchmark workload; in the torchrun
-    world, a colocated engine wider than its rank's GPU and weights by file; and nothing without the
-    vllm package."""
+    world, a colocated engine wider than its rank's GPU and weights by file; in one process, LoRA
+    adapters of a rank vLLM cannot serve; and nothing without the vllm package."""
     r = cfg.rollout
     check_engine_device(r, placement)
     if r.long_tail_median:
@@ -179,6 +179,11 @@ def check_vllm(cfg: RootConfig, placement: str) -> None:
     if placement == WORLD and r.weight_transport == "file":
         raise refuse("rollout.weight_transport=file with rollout.engine=vllm", WORLD,
                      "the learners broadcast weights to vLLM's workers; use rollout.weight_transport=broadcast")
+    # In one process vLLM serves the adapters as a LoRA of its own (max_lora_rank at most 512:
+    # rollout/vllm/adapter.py's MAX_LORA_RANKS).
+    if placement == ONE_PROCESS and cfg.lora.sync == "adapters" and cfg.lora.rank > 512:
+        raise ConfigError(f"lora.rank={cfg.lora.rank} with lora.sync=adapters and rollout.engine=vllm: vLLM serves "
+                          "LoRA adapters of rank 512 at most; use lora.rank<=512 or lora.sync=merged")
     check_vllm_installed(r)
 
 
