@@ -238,10 +238,10 @@ def _transport(cfg: RootConfig, placement: str, engines: List[Any], run_on_learn
     LoRA with engines that apply the adapters unmerged, the base once and then the adapters
     alone (weights/adapter_sync.py); an engine that cannot is warned of once and takes merged
     weights."""
-    fallback = merged_fallback(cfg)
+    fallback = merged_fallback(cfg, placement)
     if fallback:
         logger.warning(fallback)
-    entry = transport_for(cfg.rollout.engine, placement, adapters=engine_applies_adapters(cfg))
+    entry = transport_for(cfg.rollout.engine, placement, adapters=engine_applies_adapters(cfg, placement))
     return entry.transport(engines, run_on_learners, cfg.rollout.weight_timeout_s, worker=worker)
 
 

@@ -196,6 +196,12 @@ def test_vllm_engine_is_accepted_where_vllm_is_installed():
         assert load_config("tiny_cpu", ["rollout.engine=vllm"]).rollout.engine == "vllm"
 
 
+def test_vllm_refuses_adapters_above_its_largest_lora_rank():
+    with pytest.raises(ConfigError, match=r"lora.rank=1024 with lora.sync=adapters and rollout.engine=vllm: vLLM "
+                       r"serves LoRA adapters of rank 512 at most; use lora.rank<=512 or lora.sync=merged"):
+        load_config("tiny_cpu", ["rollout.engine=vllm", "lora.rank=1024"])
+
+
 def test_torchrun_world_takes_every_algorithm_and_vllm_engines_by_broadcast():
     from megatron_rl.checks import WORLD, load_config
     from megatron_rl.config import ConfigError

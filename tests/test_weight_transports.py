@@ -128,14 +128,20 @@ def test_adapter_only_sync_has_an_entry_in_every_placement(placement, name, send
 
 
 def test_lora_on_an_engine_without_adapter_support_warns_in_one_line():
+    """The embedded engine takes the adapters in every placement, vLLM in one process; vLLM in a
+    torchrun world takes merged weights, said in one line."""
     from megatron_rl.checks import load_config
     from megatron_rl.models.lora import engine_applies_adapters, merged_fallback
 
     cfg = load_config("tiny_cpu", ["lora.rank=4"])
-    assert engine_applies_adapters(cfg) and merged_fallback(cfg) is None  # embedded: the adapters
+    for placement in ("one_process", "colocated", "disaggregated"):
+        assert engine_applies_adapters(cfg, placement) and merged_fallback(cfg, placement) is None
     cfg.rollout.engine = "vllm"  # set after loading: validation would ask for the vllm package
-    line = merged_fallback(cfg)
-    assert not engine_applies_adapters(cfg) and "\n" not in line
-    assert "rollout.engine=vllm receives merged weights" in line
+    assert engine_applies_adapters(cfg, "one_process") and merged_fallback(cfg, "one_process") is None
+    for placement in ("colocated", "disaggregated"):
+        line = merged_fallback(cfg, placement)
+        assert not engine_applies_adapters(cfg, placement) and "\n" not in line
+        assert f"rollout.engine=vllm in the {placement} placement receives merged weights" in line
     cfg.lora.sync = "merged"
-    assert merged_fallback(cfg) is None  # asked for merged weights: nothing to warn of
+    assert merged_fallback(cfg, "disaggregated") is None  # asked for merged weights: nothing to warn of
+    assert not engine_applies_adapters(cfg, "one_process")

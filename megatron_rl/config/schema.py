@@ -194,12 +194,12 @@ class LoraConfig:
     # query/key/value), linear_proj (attention output), linear_fc1 (fused gate/up of the MLP),
     # linear_fc2 (MLP down). An MoE model's MLPs are its routed experts: attention only there.
     targets: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    # What a weight sync sends. adapters: the embedded engine of a one-process run
-    # (rollout.engine=embedded, rollout.separate_process included) carries the adapters and applies
-    # them unmerged (no merged weight rounded to model.dtype); the first sync sends the frozen base
-    # and the adapters, each later one the adapters alone. merged: W + (alpha / rank)·B·A, computed
-    # in fp32 and cast to model.dtype, the whole model every sync. Engines that cannot apply
-    # adapters (vLLM, engine ranks of a torchrun world) receive merged weights either way.
+    # What a weight sync sends. adapters: the engine carries the adapters; the first sync sends the
+    # frozen base and the adapters, each later one the adapters alone. The embedded engine (every
+    # placement) applies them unmerged (no merged weight rounded to model.dtype); vLLM in one process
+    # serves them as a LoRA of its own (started with LoRA enabled). merged: W + (alpha / rank)·B·A,
+    # computed in fp32 and cast to model.dtype, the whole model every sync. vLLM in a torchrun world
+    # receives merged weights either way (one warning line at start).
     sync: str = "adapters"
 
 

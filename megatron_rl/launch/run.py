@@ -90,7 +90,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
         hosted.serve()
     local = (hosted.engine, hosted.loop) if hosted else None
     sender = learner_sender(cfg.rollout.engine, plan.layout.placement, local if hosted else sync,
-                            adapters=engine_applies_adapters(cfg))
+                            adapters=engine_applies_adapters(cfg, plan.layout.placement))
     worker = LearnerWorker(cfg, vocab, tokenizer.pad_id, weights_sender=sender, local_engine=local)
     try:
         if rank != DRIVER:
@@ -194,7 +194,8 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     listener = EngineListener(host, authkey)
     _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     timeline = _RankTimeline()
-    receive = engine_receiver("embedded", engine, sync, timeline.span, adapters=engine_applies_adapters(cfg))
+    receive = engine_receiver("embedded", engine, sync, timeline.span,
+                              adapters=engine_applies_adapters(cfg, "disaggregated"))
     conn = listener.accept()
     asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
 

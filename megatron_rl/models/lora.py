@@ -41,21 +41,28 @@ ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
 LORA_SYNCS = ("adapters", "merged")
 
 
-def engine_applies_adapters(cfg) -> bool:
-    """Whether this run's embedded engines carry the adapters (lora.sync=adapters), in every
-    placement (one process, an engine rank of a torchrun world, a colocated learner rank's
-    engine): each weight sync after the first then sends the adapters alone. Other engines
-    (vLLM) receive merged weights."""
-    return cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and cfg.rollout.engine == "embedded"
+# Where a vLLM engine serves the learner's adapters through vLLM's own LoRA support
+# (rollout/vllm/engine.py); in the other placements it receives merged weights.
+VLLM_ADAPTER_PLACEMENTS = ("one_process",)
 
 
-def merged_fallback(cfg) -> str | None:
+def engine_applies_adapters(cfg, placement: str) -> bool:
+    """Whether this run's engines in ``placement`` (one_process, colocated, disaggregated) carry
+    the adapters (lora.sync=adapters), so that each weight sync after the first sends the adapters
+    alone: the embedded engine in every placement (it applies them unmerged), vLLM in
+    ``VLLM_ADAPTER_PLACEMENTS`` (as a LoRA of its own). Other engines receive merged weights."""
+    if cfg.lora.rank <= 0 or cfg.lora.sync != "adapters":
+        return False
+    return cfg.rollout.engine == "embedded" or (cfg.rollout.engine == "vllm" and placement in VLLM_ADAPTER_PLACEMENTS)
+
+
+def merged_fallback(cfg, placement: str) -> str | None:
     """The one warning line of a run that asked for adapter-only sync but whose engine takes
     merged weights, None otherwise."""
-    if cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and not engine_applies_adapters(cfg):
-        return (f"lora.sync=adapters: rollout.engine={cfg.rollout.engine} receives merged weights "
-                "(W + (alpha / rank)·B·A cast to model.dtype) at every sync; adapter-only sync is built for "
-                "rollout.engine=embedded")
+    if cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and not engine_applies_adapters(cfg, placement):
+        return (f"lora.sync=adapters: rollout.engine={cfg.rollout.engine} in the {placement} placement receives "
+                "merged weights (W + (alpha / rank)·B·A cast to model.dtype) at every sync; adapter-only sync is "
+                "built for rollout.engine=embedded (every placement) and rollout.engine=vllm in one process")
     return None
 
 

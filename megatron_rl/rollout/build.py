@@ -75,7 +75,7 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
 
     r = cfg.rollout
     # lora.sync=adapters: the engine applies the learner's adapters unmerged (weights/adapter_sync.py).
-    lora = cfg.lora if engine_applies_adapters(cfg) else None
+    lora = cfg.lora if engine_applies_adapters(cfg, "one_process") else None
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
                              device_index=device_index, lora=lora, **engine_options(cfg))
@@ -91,7 +91,7 @@ def embedded_on_engine_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads:
     from ..models.lora import engine_applies_adapters
     from .embedded import EmbeddedEngine, engine_options
 
-    lora = cfg.lora if engine_applies_adapters(cfg) else None
+    lora = cfg.lora if engine_applies_adapters(cfg, "disaggregated") else None
     return EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, lora=lora, **engine_options(cfg))
 
 
@@ -103,7 +103,7 @@ def embedded_on_learner_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads
     from ..models.lora import engine_applies_adapters
     from .embedded import EngineProcess, engine_options
 
-    lora = cfg.lora if engine_applies_adapters(cfg) else None
+    lora = cfg.lora if engine_applies_adapters(cfg, "colocated") else None
     return EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=cpu_threads,
                          device_index=gpu_ids[0] if gpu_ids else None, lora=lora, **engine_options(cfg))
 
@@ -121,12 +121,15 @@ ENGINES.add("embedded", EngineEntry(build=build_embedded, on_engine_rank=embedde
 def build_vllm(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: ThreadPoolExecutor,
                engine_threads: int, device_index: Optional[int] = None) -> RolloutEngine:
     """vLLM's AsyncLLM. Its engine core runs in a process of its own; it starts on dummy weights
-    and the trainer pushes the learner's before any rollout."""
+    and the trainer pushes the learner's before any rollout; under lora.sync=adapters with LoRA
+    enabled, serving the learner's adapters as a LoRA of its own."""
+    from ..models.lora import engine_applies_adapters
     from .vllm import VLLMEngine
 
     r = cfg.rollout
+    lora = cfg.lora if engine_applies_adapters(cfg, "one_process") else None
     return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
-                      tp=r.tp, weight_transport=r.weight_transport, weight_timeout_s=r.weight_timeout_s)
+                      tp=r.tp, weight_transport=r.weight_transport, weight_timeout_s=r.weight_timeout_s, lora=lora)
 
 
 def vllm_on_engine_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: int,
@@ -157,8 +160,8 @@ def _has_cuda() -> bool:
 
 def check_vllm(cfg: RootConfig, placement: str) -> None:
     """What vLLM cannot run: MoE weights on a CPU; the long-tail benchmark workload; in the torchrun
-    world, a colocated engine wider than its rank's GPU and weights by file; and nothing without the
-    vllm package."""
+    world, a colocated engine wider than its rank's GPU and weights by file; in one process, LoRA
+    adapters of a rank vLLM cannot serve; and nothing without the vllm package."""
     r = cfg.rollout
     check_engine_device(r, placement)
     if r.long_tail_median:
@@ -176,6 +179,11 @@ def check_vllm(cfg: RootConfig, placement: str) -> None:
     if placement == WORLD and r.weight_transport == "file":
         raise refuse("rollout.weight_transport=file with rollout.engine=vllm", WORLD,
                      "the learners broadcast weights to vLLM's workers; use rollout.weight_transport=broadcast")
+    # In one process vLLM serves the adapters as a LoRA of its own (max_lora_rank at most 512:
+    # rollout/vllm/adapter.py's MAX_LORA_RANKS).
+    if placement == ONE_PROCESS and cfg.lora.sync == "adapters" and cfg.lora.rank > 512:
+        raise ConfigError(f"lora.rank={cfg.lora.rank} with lora.sync=adapters and rollout.engine=vllm: vLLM serves "
+                          "LoRA adapters of rank 512 at most; use lora.rank<=512 or lora.sync=merged")
     check_vllm_installed(r)
 
 

@@ -1,5 +1,7 @@
-"""Adapter-only weight sync for a LoRA run whose embedded engines apply the adapters unmerged
-(``lora.sync=adapters``, ``models.lora.engine_applies_adapters``), in every placement.
+"""Adapter-only weight sync for a LoRA run whose engines carry the adapters (``lora.sync=adapters``,
+``models.lora.engine_applies_adapters``): embedded engines, which apply them unmerged, in every
+placement; vLLM in one process, which serves them as a LoRA of its own (``rollout/vllm/engine.py``:
+each push's adapters become a PEFT directory that vLLM loads).
 
 The engine's model carries the same adapted linears as the learner's, so it computes
 ``W·x + s·B·(A·x)`` exactly as the learner does and no merged weight is ever rounded to the

@@ -36,8 +36,8 @@ TRANSPORTS: Dict[Tuple[str, str], TransportEntry] = {
 
 def transport_for(engine_kind: str, placement: str, adapters: bool = False) -> TransportEntry:
     """The transport of ``engine_kind`` in ``placement``; a combination without one is a
-    ConfigError naming both and what exists. ``adapters``: the engine applies a LoRA learner's
-    adapters unmerged (``models.lora.engine_applies_adapters``): the entries of
+    ConfigError naming both and what exists. ``adapters``: the engine carries a LoRA learner's
+    adapters (``models.lora.engine_applies_adapters``): the entries of
     ``adapter_sync.ADAPTER_TRANSPORTS``, which send the frozen base once and then the adapters."""
     if adapters and placement in ADAPTER_TRANSPORTS:
         return ADAPTER_TRANSPORTS[placement]

