@@ -45,7 +45,7 @@ def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
     assert "NOT steady-state: 2 run(s) kept fewer than 20 measured steps" in text
     rows = [r for r in (line.split() for line in text.splitlines()) if r[:1] == ["tiny_cpu"] and r[1].isdigit()]
     assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("0", "fwd", "2", "1"), ("4", "fwd", "2", "1")]
-    assert all(1.0 < float(r[14]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
+    assert all(1.0 < float(r[15]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
     lines = next(tmp_path.glob("run0_*")).joinpath("metrics.jsonl").read_text().splitlines()
     metrics = [json.loads(line) for line in lines]
     assert all(row["engine/late_captures"] == 0 for row in metrics)
