@@ -113,6 +113,25 @@ def test_moe_gpu_recipe_is_qwen3_30b_a3b_cut_to_four_layers():
     assert (cfg.algo, cfg.data, cfg.rollout, cfg.learner) == (dense.algo, dense.data, dense.rollout, dense.learner)
 
 
+def test_lora_gpu_recipe_is_qwen3_14b_with_rank_32_adapters():
+    """gsm8k_qwen3_14b_lora_gpu's model is Qwen3-14B's config.json (Qwen/Qwen3-14B) but for the
+    context, trained through rank-32 adapters on all four projections that the embedded engine
+    receives alone, with gsm8k_qwen2_gpu's data and algorithm."""
+    from megatron_rl.models.hf_config import hf_config_from_model
+
+    cfg = load_config("gsm8k_qwen3_14b_lora_gpu", ["trainer.progress=false"])
+    hf = hf_config_from_model(cfg.model, 151936)
+    qwen3_14b = dict(architectures=["Qwen3ForCausalLM"], num_hidden_layers=40, hidden_size=5120,
+                     intermediate_size=17408, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False,
+                     hidden_act="silu", vocab_size=151936)
+    assert {k: hf[k] for k in qwen3_14b} == qwen3_14b
+    assert (cfg.lora.rank, cfg.lora.sync, len(cfg.lora.targets)) == (32, "adapters", 4)
+    assert cfg.model.dtype == "bf16" and cfg.rollout.engine == "embedded" and cfg.learner.recompute_activations
+    dense = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"])
+    assert (cfg.algo, cfg.data, cfg.reward) == (dense.algo, dense.data, dense.reward)
+
+
 def test_unknown_recipe():
     with pytest.raises(ConfigError, match="nope"):
         load_config("nope")

@@ -30,12 +30,13 @@ def test_warm_up_rule_and_eta_orders():
 
 
 def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
-    """Two fresh tiny_cpu runs (η = 0, 4) of 3 steps, response lengths drawn (median 3, p99 7):
-    the table, the printed rule, the η ratio and the not-steady-state warning."""
+    """Two fresh tiny_cpu runs (η = 0, 4) of 3 steps, response lengths drawn (median 3, p99 7),
+    LoRA at rank 4: the table, the printed rule, the η ratio, the not-steady-state warning and each
+    step's adapter-only push (38,912 bytes: sync/bytes)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "tools/bench/e2e_gpu.py"), "--recipe", "tiny_cpu", "--steps", "3",
          "--order", "given", "--long-tail", "--long-tail-median", "3", "--long-tail-p99", "7",
-         "--long-tail-max", "7", "--root", str(tmp_path)],
+         "--long-tail-max", "7", "--root", str(tmp_path), "lora.rank=4"],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     text = out.stdout
@@ -45,7 +46,9 @@ def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
     assert "NOT steady-state: 2 run(s) kept fewer than 20 measured steps" in text
     rows = [r for r in (line.split() for line in text.splitlines()) if r[:1] == ["tiny_cpu"] and r[1].isdigit()]
     assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("0", "fwd", "2", "1"), ("4", "fwd", "2", "1")]
-    assert all(1.0 < float(r[14]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
+    assert all(1.0 < float(r[15]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
+    assert [r[12] for r in rows] == ["0.04", "0.04"]  # sync MB: the adapters alone at every step
+    assert text.count("; sync MB 0.04 0.04 0.04") == 2, text
     lines = next(tmp_path.glob("run0_*")).joinpath("metrics.jsonl").read_text().splitlines()
     metrics = [json.loads(line) for line in lines]
     assert all(row["engine/late_captures"] == 0 for row in metrics)

@@ -181,6 +181,55 @@ def test_learner_gpu_bench_active_flops_for_the_moe_recipe():
     assert 30.4e9 < matmul_params(full, 151936) + head < 30.6e9  # Qwen3-30B-A3B: 30.5 B
 
 
+def test_learner_gpu_bench_lora_flops_for_the_14b_recipe():
+    """Under LoRA the frozen base costs its forward and input gradients, 4 · N · T, and the adapters
+    all three products, 6 · N_lora · T: gsm8k_qwen3_14b_lora_gpu (Qwen3-14B's shape, 14.77 B
+    parameters at its 151,936 vocabulary) trains rank-32 adapters on the four projections, 108.8 M."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from learner_gpu import step_flops
+    from model_size import lora_params, matmul_params
+
+    from megatron_rl.checks import load_config
+
+    cfg = load_config("gsm8k_qwen3_14b_lora_gpu", ["trainer.progress=false"])
+    m, lora = cfg.model, cfg.lora
+    # (in + out) of linear_qkv (q 5120 + k, v 1024 each), linear_proj, linear_fc1 (gate + up), linear_fc2
+    per_layer = 32 * ((5120 + 7168) + (5120 + 5120) + (5120 + 2 * 17408) + (17408 + 5120))
+    assert lora_params(m, lora.rank, lora.targets) == 40 * per_layer == 108_789_760
+    head = 151936 * 5120
+    n = 40 * (5120 * (5120 + 2 * 1024) + 5120 * 5120 + 3 * 5120 * 17408) + head
+    assert matmul_params(m, 151936) == n
+    assert 14.76e9 < n + head < 14.78e9  # with the untied embedding: Qwen3-14B's 14.77 B
+    tokens, attention = 8 * 2048, 6 * 40 * 5120 * 8 * 2048 ** 2
+    assert step_flops(m, 151936, 8, 2048, lora) == 4 * n * tokens + 6 * 108_789_760 * tokens + attention
+    assert step_flops(m, 151936, 8, 2048) == 6 * n * tokens + attention  # full fine-tuning's count
+
+
+@pytest.mark.parametrize("family,targets", [("qwen3", ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
+                                            ("qwen2_moe", ["linear_qkv", "linear_proj"]),
+                                            ("deepseek_v3", ["linear_proj", "linear_fc1"])])
+def test_bench_lora_params_count_the_adapters_of_the_built_model(megatron_world, family, targets):
+    """tools/bench/model_size.py's adapter count against models/lora.py's adapters on a built model:
+    fused q/k/v and gate/up, grouped-query and latent attention, MoE layers without MLP adapters
+    (deepseek_v3's first layer is dense: its linear_fc1 gets one)."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    sys.path.insert(0, str(TOOLS.parent / "tests"))
+    from hf_helpers import hf_config
+    from model_size import lora_params
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_gpt_model
+    from megatron_rl.models.hf_config import model_config_from_hf
+    from megatron_rl.models.lora import add_lora
+
+    hf = hf_config(family).to_dict()
+    hf["architectures"] = [get_family(family).architecture]
+    m, vocab = model_config_from_hf(hf)
+    model = build_gpt_model(m, vocab)
+    add_lora(model, 4, 8.0, 0.0, targets)
+    assert lora_params(m, 4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "qwen2"])
 def test_bench_matmul_params_count_every_matmul_weight_of_the_built_model(megatron_world, family):
     """tools/bench/model_size.py's counts against a built Megatron model of each family (dense

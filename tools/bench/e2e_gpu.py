@@ -16,7 +16,9 @@ compilation, graph capture, the first batch's prefill) are dropped, then every f
 slower than ``--tolerance`` (default 25 %) above the median of the steps after it; the rule is
 printed, and a run with fewer than ``--min-measured`` (default 20) steps left says its ratio is not
 steady-state. Printed per run: mean seconds per measured step with its min / max / standard
-deviation, steps/hour, mean time/train_s, time/sync_s, the engine's prefill+admit+decode seconds,
+deviation, steps/hour, mean time/train_s, time/sync_s and the megabytes each push sent (sync/bytes:
+the whole model, or under LoRA with ``lora.sync=adapters`` the adapters alone), the engine's
+prefill+admit+decode seconds,
 decode buckets captured during the run (``engine/late_captures``: 0 unless the engine captured on
 its hot path), the mean response length (equal across η: equal work), GPU utilisation and peak
 memory; then η ratios, and with several recipes each one's step time over the first recipe's at
@@ -45,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from training_runs import train  # noqa: E402
 
+# What each step's weight push took (the publish's wall time) and sent, as metrics.jsonl names them.
+SYNC_S, SYNC_BYTES = "time/sync_s", "sync/bytes"
+
 
 def warmup_steps(step_s: Sequence[float], min_warmup: int, tolerance: float) -> int:
     """How many leading steps are warm-up: at least ``min_warmup``, then each next step while it
@@ -69,6 +74,7 @@ class RunResult:
     warmup: int
     train_s: float
     sync_s: float
+    sync_mb: float  # mean sync/bytes per push over the measured steps, in MB (0: the run logged none)
     engine_s: float
     late_captures: float
     response_len: float  # mean response tokens over the measured steps
@@ -99,7 +105,8 @@ def summarise(recipe: str, eta: int, rows: List[Dict], wall: float, min_warmup: 
     steady = rows[warm:]
     mean = lambda key: statistics.mean(r.get(key, 0.0) for r in steady)  # noqa: E731
     engine_s = statistics.mean(sum(r.get(f"engine/{k}_s", 0.0) for k in ("prefill", "admit", "decode")) for r in steady)
-    return RunResult(recipe, eta, times[warm:], warm, mean("time/train_s"), mean("time/sync_s"), engine_s,
+    return RunResult(recipe, eta, times[warm:], warm, mean("time/train_s"), mean(SYNC_S),
+                     mean(SYNC_BYTES) / 1e6, engine_s,
                      sum(r.get("engine/late_captures", 0.0) for r in rows), mean("response/length_mean"),
                      mean("gpu/util_percent"),
                      max(r.get("gpu/0/mem_peak_gib", 0.0) for r in rows), wall, order, times)
@@ -153,12 +160,13 @@ def table(results: Sequence[RunResult]) -> List[str]:
     time goes."""
     width = max(len(r.recipe) for r in results)
     lines = [f"{'recipe':<{width}} {'eta':>4} {'order':>5} {'warm':>4} {'meas':>4} {'s/step':>7} {'min':>6} "
-             f"{'max':>6} {'std':>6} {'steps/h':>8} {'train s':>8} {'sync s':>7} {'engine s':>9} {'late capt':>9} "
+             f"{'max':>6} {'std':>6} {'steps/h':>8} {'train s':>8} {'sync s':>7} {'sync MB':>8} {'engine s':>9} "
+             f"{'late capt':>9} "
              f"{'resp len':>8} {'GPU util%':>9} {'peak GiB':>8}"]
     for r in results:
         lines.append(f"{r.recipe:<{width}} {r.eta:>4} {'fwd' if r.order == 0 else 'rev':>5} {r.warmup:>4} "
                      f"{len(r.steps):>4} {r.step_s:>7.3f} {min(r.steps):>6.3f} {max(r.steps):>6.3f} {r.std_s:>6.3f} "
-                     f"{r.per_hour:>8.0f} {r.train_s:>8.2f} {r.sync_s:>7.3f} {r.engine_s:>9.2f} "
+                     f"{r.per_hour:>8.0f} {r.train_s:>8.2f} {r.sync_s:>7.3f} {r.sync_mb:>8.2f} {r.engine_s:>9.2f} "
                      f"{r.late_captures:>9.0f} {r.response_len:>8.1f} {r.util:>9.1f} {r.peak_gib:>8.1f}")
     return lines
 
@@ -201,6 +209,8 @@ def main(argv: Optional[Sequence[str]] = None) -> List[RunResult]:
             r = results[-1]
             print(f"{label}: {r.step_s:.3f} s/step over {len(r.steps)} steps after {r.warmup} warm-up, "
                   f"wall {wall:.0f} s; all steps: {' '.join(f'{s:.2f}' for s in r.all_steps)}", flush=True)
+            print(f"{label}: per step sync s {' '.join(f'{x.get(SYNC_S, 0.0):.3f}' for x in rows)}; sync MB "
+                  f"{' '.join(f'{x.get(SYNC_BYTES, 0.0) / 1e6:.2f}' for x in rows)}", flush=True)
     print(f"\n{', '.join(recipes)} {' '.join(overrides)}; {args.steps} steps per run; "
           f"{warmup_rule(args.min_warmup, args.tolerance)}")
     for line in table(results) + eta_ratio_lines(results, etas) + ratio_lines(results):

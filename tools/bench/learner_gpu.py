@@ -20,6 +20,11 @@ layer the attention projections and the MLP, plus the LM head V · d (the embedd
 matmul). For a dense model that is every linear weight; in an MoE layer it is the router, the
 top_k routed experts' three matmuls each (not all E) and the shared expert if any. So for MoE
 the column is active TFLOP/s: the arithmetic the routed tokens do, not what all experts hold.
+Under LoRA (``lora.rank`` > 0, e.g. ``--recipe gsm8k_qwen3_14b_lora_gpu``) the frozen base still
+runs its forward and passes gradients back through every layer, but computes no weight gradient:
+4 · N_active · T, plus 6 · N_lora · T for the adapters (model_size.lora_params) and the same
+attention. With ``learner.recompute_activations=true`` the recomputed forward is not counted
+(model FLOPs, not hardware FLOPs). The footer prints the parameters the optimizer trains.
 
 Kernels busy (``--busy-steps`` steps under torch.profiler, 0 skips it): the union of the CUDA
 kernels' time intervals per step (overlaps counted once, memory copies left out) over the
@@ -49,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from model_size import active_matmul_params, attention_flops, matmul_params  # noqa: E402,F401
+from model_size import active_matmul_params, attention_flops, lora_params, matmul_params  # noqa: E402,F401
 
 ON_GPU = torch.cuda.is_available()
 
@@ -60,9 +65,20 @@ def parse_shape(text: str) -> Tuple[int, int, int, int]:
     return int(vocab), int(rows), int(seq), int(budget)
 
 
-def step_flops(m, vocab: int, rows: int, seq: int) -> float:
-    """FLOPs of one train step over ``rows`` rows of ``seq`` tokens (see the module docstring)."""
-    return 6 * active_matmul_params(m, vocab) * rows * seq + 3 * rows * attention_flops(m, seq)
+def step_flops(m, vocab: int, rows: int, seq: int, lora=None) -> float:
+    """FLOPs of one train step over ``rows`` rows of ``seq`` tokens (see the module docstring).
+    ``lora``: a LoraConfig; with rank > 0 the base is frozen (no weight gradients) and the
+    adapters train."""
+    tokens, attention = rows * seq, 3 * rows * attention_flops(m, seq)
+    if lora is None or not lora.rank:
+        return 6 * active_matmul_params(m, vocab) * tokens + attention
+    adapters = lora_params(m, lora.rank, lora.targets)
+    return 4 * active_matmul_params(m, vocab) * tokens + 6 * adapters * tokens + attention
+
+
+def trained_params(learner) -> int:
+    """Parameters the optimizer updates: every one, or the adapters alone under LoRA."""
+    return sum(p.numel() for p in learner.module.parameters() if p.requires_grad)
 
 
 def batch(rng: random.Random, rows: int, seq: int, vocab: int):
@@ -212,6 +228,7 @@ def main() -> None:
     from megatron_rl.learner.parallel import init_model_parallel
 
     rows_out: List[str] = []
+    trained: Dict[int, int] = {}  # by vocabulary: parameters the optimizer updates
     learner, built_for = None, None
     for text in args.shapes.split(","):
         vocab, rows, seq, budget = parse_shape(text)
@@ -226,6 +243,7 @@ def main() -> None:
             release_memory()
             print(f"{text}: {allocated_gib():.2f} GiB allocated before building its learner", flush=True)
             learner, built_for = Learner(cfg, vocab_size=vocab), key
+            trained[vocab] = trained_params(learner)
         learner.cfg.learner.micro_batch_tokens = budget
         rng = random.Random(0)
         batches = [batch(rng, rows, seq, vocab) for _ in range(2 + args.steps)]
@@ -242,7 +260,7 @@ def main() -> None:
             learner, built_for = None, None
             continue
         tokens = rows * seq
-        tflops = step_flops(cfg.model, vocab, rows, seq) / sec / 1e12
+        tflops = step_flops(cfg.model, vocab, rows, seq, cfg.lora) / sec / 1e12
         peak = torch.cuda.max_memory_allocated() / 2**30 if ON_GPU else 0.0
         busy = "n/a" if busy_ms is None else f"{busy_ms:.0f}"
         share = "n/a" if busy_ms is None else f"{100 * busy_ms / (1e3 * sec):.0f}%"
@@ -255,13 +273,25 @@ def main() -> None:
     vocabs = sorted({parse_shape(text)[0] for text in args.shapes.split(",")})
     counts = ", ".join(f"{active_matmul_params(m, v) / 1e9:.3f} B of {matmul_params(m, v) / 1e9:.3f} B at vocab {v}"
                        for v in vocabs)
-    if m.num_experts:
+    lora = cfg.lora
+    if lora.rank:
+        adapters = lora_params(m, lora.rank, lora.targets)
+        frozen = ", ".join(f"{active_matmul_params(m, v) / 1e9:.3f} B at vocab {v}" for v in vocabs)
+        print(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: TFLOP/s = (4·N·T + 6·N_lora·T + causal "
+              f"attention) / step time; the frozen base's forward and input gradients, the adapters' forward "
+              f"and both gradients; N_lora = {adapters:,}, N{'_active' if m.num_experts else ''} = "
+              f"{frozen}")
+    elif m.num_experts:
         print(f"MoE: TFLOP/s are active TFLOP/s = (6·N_active·T + causal attention) / step time; N_active = per "
               f"layer attention + router + top-{m.moe_router_topk} of {m.num_experts} experts (3 matmuls each)"
               f"{' + shared expert' if m.moe_shared_expert_ffn_hidden_size else ''}, + LM head: {counts}")
     else:
         counts = ", ".join(f"{matmul_params(m, v) / 1e9:.3f} B at vocab {v}" for v in vocabs)
         print(f"TFLOP/s = (6·N·T + causal attention) / step time; N = every linear weight + LM head: {counts}")
+    if cfg.learner.recompute_activations:
+        print("learner.recompute_activations=true: the recomputed forward runs but is not counted in TFLOP/s")
+    print("trained parameters (requires_grad): "
+          + ", ".join(f"{n:,} at vocab {v}" for v, n in trained.items()))
     print("kernels busy: union of CUDA kernel time per profiled step, share of the median step's wall time")
     print(f"{'vocab':>7} {'rows x seq':>10} {'budget':>7} {'s/step':>8} {'tokens/s':>10} {'TFLOP/s':>8} "
           f"{'kernels ms':>10} {'busy':>6} {'peak GiB':>8}")

@@ -8,11 +8,13 @@ norms and biases are negligible. Per layer:
 - an MoE layer: the router H · E, every routed expert's 3 · H · I (all experts: ``matmul_params``;
   the ``top_k`` a token is routed to: ``active_matmul_params``), and the shared expert's
   3 · H · S (+ its H · 1 gate) where there is one.
+LoRA (``lora_params``): each adapted projection's A (rank × in) and B (out × rank), which a
+learner whose base is frozen trains alone.
 """
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 
 def head_dims(m) -> Tuple[int, int]:
@@ -73,6 +75,31 @@ def active_matmul_params(m, vocab: int) -> int:
     """The matmul weights one token multiplies: as ``matmul_params`` with only the ``top_k``
     experts it is routed to. Equal to ``matmul_params`` for a dense model."""
     return _params(m, vocab, m.moe_router_topk if m.num_experts else 0)
+
+
+def lora_shapes(m) -> Dict[str, Tuple[int, int]]:
+    """(in, out) of each projection LoRA can adapt (models/lora.py's targets), one layer, fused
+    as megatron-core fuses them: q/k/v in linear_qkv, gate and up in linear_fc1."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    d_qk, d_v = head_dims(m)
+    return {"linear_qkv": (h, heads * d_qk + m.num_query_groups * (d_qk + d_v)), "linear_proj": (heads * d_v, h),
+            "linear_fc1": (h, 2 * m.ffn_hidden_size), "linear_fc2": (m.ffn_hidden_size, h)}
+
+
+def lora_params(m, rank: int, targets: Sequence[str]) -> int:
+    """Parameters of rank-``rank`` adapters on ``targets`` in every layer: rank · (in + out) per
+    adapted projection. An MoE layer's MLP is its routed experts, which carry none (models/lora.py
+    adapts attention only there); multi-head latent attention has no linear_qkv to adapt."""
+    if m.kv_lora_rank is not None and "linear_qkv" in targets:
+        raise ValueError("multi-head latent attention has no linear_qkv: adapt linear_proj only")
+    shapes = lora_shapes(m)
+    total = 0
+    for moe in moe_layers(m):
+        for target in targets:
+            if moe and target in ("linear_fc1", "linear_fc2"):
+                continue
+            total += rank * sum(shapes[target])
+    return total
 
 
 def attention_flops(m, seq: int) -> int:
