@@ -115,6 +115,13 @@ def test_doc_images_window_and_reward_curve():
     svg = doc_images.reward_svg(list(range(1, 101)), [i / 100 for i in range(100)])
     xml.dom.minidom.parseString(svg)  # well-formed
     assert svg.count("<polyline") == 2
+    report = {"k": 4, "stages": {"before SFT": {"pass@1": 0.02, "pass@4": 0.07},
+                                 "after RL": {"pass@1": 0.6, "pass@4": 0.75}}}
+    sft = [{"step": i, "train/loss": 3.0 / i} for i in range(1, 301)]
+    rl = [{"step": i, "reward/mean": 0.5 + i / 200} for i in range(1, 61)]
+    svg = doc_images.arithmetic_svg(report, sft, rl)
+    xml.dom.minidom.parseString(svg)
+    assert svg.count("<polyline") == 4 and "after RL: pass@1 0.600, pass@4 0.750" in svg
     for name in ("timeline.svg", "reward.svg"):
         image = ROOT / "docs" / "images" / name
         assert image.is_file() and image.stat().st_size < 200_000, f"{name}: remake with python tools/doc_images.py"

@@ -2,9 +2,12 @@
 
     python tools/doc_images.py                       # run tiny_cpu (about 5 min on 2 cores), then draw
     python tools/doc_images.py --run-dir runs/tiny_cpu/<stamp>   # draw from a finished run
+    python tools/doc_images.py --arithmetic runs/arithmetic_demo/<stamp>   # the arithmetic demo's curves
 
 Writes docs/images/timeline.svg (the overlap timeline, drawn by tools/plot_timeline.py, of a few
-steps in the middle of the run) and docs/images/reward.svg (reward per step from metrics.jsonl).
+steps in the middle of the run) and docs/images/reward.svg (reward per step from metrics.jsonl);
+with ``--arithmetic``, docs/images/arithmetic_demo.svg from a finished ``tools/arithmetic_demo.py``
+run instead (its SFT loss and RL reward per step, and held-out pass@1 / pass@k per stage).
 SVG, so no plotting library is needed and the files stay small.
 """
 
@@ -73,12 +76,83 @@ def reward_svg(steps: List[int], rewards: List[float], width: int = 720, height:
     return "\n".join(out)
 
 
+def _panel(x0: float, width: float, height: float, steps: List[int], values: List[float], title: str,
+           smooth: int, y_range: tuple) -> List[str]:
+    """One curve panel at x offset ``x0``: values per step (light), their moving mean (dark)."""
+    left, right, top, bottom = 50, 15, 30, 40
+    y_lo, y_hi = y_range
+    x_max = max(max(steps), 2)
+
+    def xy(step: float, value: float) -> str:
+        x = x0 + left + (step - 1) / (x_max - 1) * (width - left - right)
+        y = top + (y_hi - value) / (y_hi - y_lo) * (height - top - bottom)
+        return f"{x:.1f},{y:.1f}"
+
+    mean = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
+            for i in range(len(values))]
+    out = []
+    for i in range(5):
+        tick = y_lo + (y_hi - y_lo) * i / 4
+        y = xy(1, tick).split(",")[1]
+        out.append(f'<line x1="{x0 + left}" x2="{x0 + width - right}" y1="{y}" y2="{y}" stroke="#ddd"/>')
+        out.append(f'<text x="{x0 + left - 6}" y="{float(y) + 4:.1f}" text-anchor="end">{tick:.3g}</text>')
+    for i in range(5):
+        step = 1 + round((x_max - 1) * i / 4)
+        x = xy(step, y_lo).split(",")[0]
+        out.append(f'<text x="{x}" y="{height - bottom + 16}" text-anchor="middle">{step}</text>')
+    out.append(f'<text x="{x0 + (left + width - right) / 2:.0f}" y="{height - 8}" text-anchor="middle">step</text>')
+    out.append(f'<text x="{x0 + left}" y="{top - 10}">{title}</text>')
+    out.append(f'<polyline fill="none" stroke="#9ecae1" stroke-width="1" '
+               f'points="{" ".join(xy(s, v) for s, v in zip(steps, values))}"/>')
+    out.append(f'<polyline fill="none" stroke="#08519c" stroke-width="2" '
+               f'points="{" ".join(xy(s, m) for s, m in zip(steps, mean))}"/>')
+    return out
+
+
+def arithmetic_svg(report: Dict, sft_rows: List[Dict], rl_rows: List[Dict], width: int = 900,
+                   height: int = 320) -> str:
+    """The arithmetic demo: SFT's loss per step (left), RL's reward per step (right), each with its
+    moving mean, and a caption of held-out pass@1 / pass@k before SFT, after SFT and after RL."""
+    k = f"pass@{report['k']}"
+    caption = "; ".join(f"{name}: pass@1 {stage['pass@1']:.3f}, {k} {stage[k]:.3f}"
+                        for name, stage in report["stages"].items())
+    losses = [r["train/loss"] for r in sft_rows]
+    rewards = [r["reward/mean"] for r in rl_rows]
+    half = width / 2
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 24}" '
+           'font-family="sans-serif" font-size="12">', f'<rect width="{width}" height="{height + 24}" fill="white"/>']
+    out += _panel(0, half, height, [r["step"] for r in sft_rows], losses, "SFT: train/loss per step",
+                  max(1, len(losses) // 50), (0.0, max(losses)))
+    out += _panel(half, half, height, [r["step"] for r in rl_rows], rewards, "RL (GRPO): reward/mean per step",
+                  max(1, len(rewards) // 20), (0.0, 1.0))
+    out.append(f'<text x="{width / 2:.0f}" y="{height + 16}" text-anchor="middle">held-out {caption}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def draw_arithmetic(demo_dir: Path) -> Path:
+    """docs/images/arithmetic_demo.svg from a finished demo directory; its path."""
+    rows = lambda run: [json.loads(line) for line in (demo_dir / run / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                        if line.strip()]
+    report = json.loads((demo_dir / "arithmetic_demo.json").read_text())
+    IMAGES.mkdir(parents=True, exist_ok=True)
+    out = IMAGES / "arithmetic_demo.svg"
+    out.write_text(arithmetic_svg(report, rows("sft"), rows("rl")))
+    return out
+
+
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-dir", type=Path, help="a finished tiny_cpu run directory (default: run one)")
     parser.add_argument("--steps", type=int, default=6, help="training steps the timeline shows")
+    parser.add_argument("--arithmetic", type=Path, default=None,
+                        help="a finished tools/arithmetic_demo.py directory: draw its curves only")
     parser.add_argument("overrides", nargs="*", help="config overrides for the tiny_cpu run")
     args = parser.parse_args(argv or None)
+    if args.arithmetic is not None:
+        out = draw_arithmetic(args.arithmetic)
+        print(f"wrote {out.relative_to(ROOT)} ({out.stat().st_size / 1024:.0f} KB)")
+        return 0
     run_dir = args.run_dir
     if run_dir is None:
         run_dir = Path(tempfile.mkdtemp(prefix="doc_images_")) / "run"
