@@ -1,6 +1,6 @@
 """`tiny_cpu` with LoRA learns: rank-8 adapters on every projection of the frozen random base
 (std 0.1, so the frozen output layer leaves room for confident logits; docs/lora.md) raise the
-reward clearly in a short on-policy run, with the engine running the merged weights."""
+reward clearly in a short on-policy run, with the engine running the adapters (unmerged)."""
 
 import json
 import subprocess
@@ -24,5 +24,5 @@ def test_tiny_cpu_learns_with_lora(tmp_path):
     print(f"tiny_cpu with LoRA, {STEPS} steps: reward {first:.3f} (first 10) -> {last:.3f} (last 10)")
     # Measured 0.044 -> 0.19 at this seed; 100 steps over three seeds in docs/lora.md.
     assert last >= first + 0.08, (first, last)
-    # On-policy with merged weights in the engine: the learner scores the engine's tokens alike.
+    # On-policy, the engine carrying the adapters: the learner scores the engine's tokens alike.
     assert max(r["train/behav_logprob_gap"] for r in rows) < 1e-4
