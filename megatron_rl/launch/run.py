@@ -117,7 +117,6 @@ def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
     ranks of the world and receive over its groups (collective: every rank builds them). vLLM's
     workers are processes of vLLM's own, so each stage's source hosts a weight channel they join;
     returns (this rank's sync groups, the channel addresses it hosts)."""
-    from ..models.lora import engine_applies_adapters
     from ..rollout.build import CHANNEL, engine_entry
     from ..weights.sync import SyncTopology, build_channel_groups, build_sync_groups
 
@@ -125,7 +124,7 @@ def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
     if engine_entry(cfg).weights != CHANNEL:
         return build_sync_groups(topology, timeout), []
-    if engine_applies_adapters(cfg, "disaggregated"):
+    if plan.layout.engine_adapters:
         # vLLM serving a LoRA learner's adapters: each engine's hosting rank takes every push (the
         # base once, then the adapters) into host memory over gloo groups of the world and loads
         # its engine (weights/adapter_sync.py); collective, every rank builds them.
@@ -157,7 +156,6 @@ def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, ho
     engine's other ranks only lend their GPU. Under lora.sync=adapters this rank's own process
     takes each push over the world's groups instead and loads its engine with it (the base
     through vLLM's own weight channel, the adapters as its LoRA)."""
-    from ..models.lora import engine_applies_adapters
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
@@ -177,7 +175,7 @@ def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, ho
     everyone = _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     addresses = [a for _, a in sorted((stage, tuple(a)) for info in everyone for stage, a in info["channels"])]
     timeline = _RankTimeline()
-    if engine_applies_adapters(cfg, "disaggregated"):
+    if plan.layout.engine_adapters:
         # The pushes come to this rank over the world's groups (``_weight_sync``), not to the workers.
         receive = engine_receiver("vllm", engine, sync, timeline.span, adapters=True)
     else:
@@ -197,7 +195,6 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     closes); weights arrive over the world's weight-sync groups. It stops only when the driver
     stops it: a stop signal is the driver's to act on (it checkpoints after the step, which
     needs the engines)."""
-    from ..models.lora import engine_applies_adapters
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
@@ -211,7 +208,7 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     timeline = _RankTimeline()
     receive = engine_receiver("embedded", engine, sync, timeline.span,
-                              adapters=engine_applies_adapters(cfg, "disaggregated"))
+                              adapters=plan.layout.engine_adapters)
     conn = listener.accept()
     asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
 
