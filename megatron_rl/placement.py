@@ -41,6 +41,9 @@ class Layout:
     engine_tp: int = 1
     placement: str = "disaggregated"
     engine_kind: str = "embedded"
+    # The engines carry a LoRA learner's adapters (lora.sync=adapters): a vLLM engine rank then
+    # takes the pushes itself over gloo groups of the world, not its workers over weight channels.
+    engine_adapters: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,12 @@ class Plan:
                 r.engine, r.engine_member, "source" if r.sync_source else None)))
         widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         lines = [head] + ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in rows]
-        if self.sync_groups and lay.engine_kind == "vllm":
+        if self.sync_groups and lay.engine_kind == "vllm" and lay.engine_adapters:
+            lines.append("weight-sync groups (gloo; LoRA: the base once, then the adapters, to each vLLM engine's "
+                         "first rank): " + "; ".join(
+                             f"stage {s}: {[src, *(g[0] for g in self.engine_groups)]}"
+                             for s, src in enumerate(self.sync_sources)))
+        elif self.sync_groups and lay.engine_kind == "vllm":
             # vLLM's workers are processes of vLLM's own, not ranks: each stage's source hosts a
             # weight channel that the worker on every engine rank's GPU joins.
             lines.append("weight channels: " + "; ".join(
@@ -238,9 +246,12 @@ def plan_placement(world_size: int, gpus_per_node: int, layout: Layout) -> Plan:
 
 def layout_from_config(cfg) -> Layout:
     """The Layout asked for by a RootConfig's ``learner.*`` and ``rollout.*``."""
+    from .models.lora import engine_applies_adapters
+
     lc, rc = cfg.learner, cfg.rollout
     return Layout(tp=lc.tp, pp=lc.pp, ep=lc.ep, cp=lc.cp, dp=lc.dp, engines=rc.engines, engine_tp=rc.tp,
-                  placement=rc.placement, engine_kind=rc.engine)
+                  placement=rc.placement, engine_kind=rc.engine,
+                  engine_adapters=engine_applies_adapters(cfg, rc.placement))
 
 
 def plan_for(cfg, world_size: int, gpus_per_node: Optional[int] = None) -> Plan:

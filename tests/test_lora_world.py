@@ -6,9 +6,7 @@ learner's (the sync probe, fp32, <= 1e-5)."""
 
 import pytest
 
-from megatron_rl.checks import load_config
-
-from world_runs import rows, run, world_cmd
+from world_runs import full_adapter_bytes, rows, run, world_cmd
 
 TOL = 1e-5
 LORA = ("lora.rank=4", "rollout.check_sync=true", "trainer.total_steps=3", "scheduler.max_staleness=0",
@@ -18,17 +16,6 @@ PLACEMENTS = {  # name: (ranks, overrides)
     "disaggregated": (3, ("rollout.engines=1", "rollout.placement=disaggregated")),
     "colocated": (2, ("rollout.engines=2", "rollout.placement=colocated")),
 }
-
-
-def full_adapter_bytes(rank: int) -> int:
-    """The fp32 bytes of tiny_cpu's full (TP = 1) adapters: per layer, A [rank, in] and
-    B [out, rank] of the fused QKV, the attention output, the gated fc1 and fc2."""
-    m = load_config("tiny_cpu", []).model
-    head = m.hidden_size // m.num_attention_heads
-    qkv_out = m.hidden_size + 2 * m.num_query_groups * head
-    shapes = [(m.hidden_size, qkv_out), (m.hidden_size, m.hidden_size), (m.hidden_size, 2 * m.ffn_hidden_size),
-              (m.ffn_hidden_size, m.hidden_size)]  # (in, out) of each adapted linear
-    return 4 * m.num_layers * sum(rank * (n_in + n_out) for n_in, n_out in shapes)
 
 
 @pytest.mark.parametrize("placement", list(PLACEMENTS))

@@ -28,6 +28,12 @@ def test_data_parallel_coordinates_and_multi_rank_engines():
     # vLLM's workers are not ranks: the table names the channel each stage's source hosts.
     assert plan.table().splitlines()[-1] == (
         "weight channels: stage 0: rank 0 -> the vLLM workers on ranks [8, 9, 10, 11, 12, 13, 14, 15]")
+    # Under LoRA (lora.sync=adapters) each engine's first rank takes the pushes over gloo groups.
+    lora = plan_placement(16, 8, Layout(tp=2, engines=2, engine_tp=4, placement="disaggregated",
+                                        engine_kind="vllm", engine_adapters=True))
+    assert lora.table().splitlines()[-1] == (
+        "weight-sync groups (gloo; LoRA: the base once, then the adapters, to each vLLM engine's first rank): "
+        "stage 0: [0, 8, 12]")
 
 
 def test_colocated_every_rank_learns_and_hosts_an_engine():

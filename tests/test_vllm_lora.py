@@ -174,3 +174,33 @@ def test_one_process_run_with_vllm_syncs_adapters_only(megatron_world, tmp_path,
     assert len(rows) == 2
     assert all(r["sync/adapter_only"] == 1.0 and r["sync/bytes"] == adapter_bytes for r in rows)
     assert all(r["sync/probe_gap"] <= TOL and r["train/behav_logprob_gap"] <= TOL for r in rows)
+
+
+WORLD_PLACEMENTS = {  # name: (ranks, overrides)
+    "colocated": (2, ("rollout.placement=colocated", "rollout.engines=2")),
+    "disaggregated": (2, ("rollout.placement=disaggregated", "rollout.engines=1")),
+}
+
+
+@pytest.mark.parametrize("placement", list(WORLD_PLACEMENTS))
+def test_world_with_vllm_syncs_adapters_only(tmp_path, placement):
+    """A torchrun world: two learner ranks (DP = 2) each beside its own vLLM engine, or a learner
+    rank and a vLLM engine rank. No merged-weights warning; after the first push (base and
+    adapters, at the run's start) every push carries the full adapters alone, which vLLM serves
+    as its LoRA, and vLLM's logprobs stay the learner's (probe and behaviour, fp32)."""
+    from world_runs import full_adapter_bytes, rows, run, world_cmd
+
+    ranks, overrides = WORLD_PLACEMENTS[placement]
+    began = time.perf_counter()
+    run(world_cmd(ranks, tmp_path, [
+        "recipe=tiny_cpu_vllm", *overrides, "trainer.total_steps=2", "trainer.save_final_checkpoint=false",
+        "scheduler.max_staleness=0", "algo.groups_per_batch=2", "algo.group_size=2", "learner.mini_batches=1",
+        "lora.rank=4", "learner.lr=3e-2", "rollout.check_sync=true", "rollout.max_model_len=32"]), timeout=600)
+    got = rows(tmp_path)
+    print(f"{placement}: {time.perf_counter() - began:.0f} s", [
+        (r["sync/bytes"], r["sync/probe_gap"], r["train/behav_logprob_gap"]) for r in got])
+    assert len(got) == 2
+    assert all(r["sync/adapter_only"] == 1.0 and r["sync/bytes"] == full_adapter_bytes(4, "tiny_cpu_vllm")
+               for r in got)
+    assert all(r["sync/probe_gap"] <= TOL and r["train/behav_logprob_gap"] <= TOL for r in got)
+    assert "receives merged weights" not in (tmp_path / "logs" / "train.log").read_text()

@@ -128,20 +128,22 @@ def test_adapter_only_sync_has_an_entry_in_every_placement(placement, name, send
 
 
 def test_lora_on_an_engine_without_adapter_support_warns_in_one_line():
-    """The embedded engine takes the adapters in every placement, vLLM in one process; vLLM in a
-    torchrun world takes merged weights, said in one line."""
+    """The embedded engine and vLLM take the adapters in every placement; another registered
+    engine takes merged weights, said in one line."""
     from megatron_rl.checks import load_config
     from megatron_rl.models.lora import engine_applies_adapters, merged_fallback
 
     cfg = load_config("tiny_cpu", ["lora.rank=4"])
+    for engine in ("embedded", "vllm"):  # set after loading: validation would ask for the vllm package
+        cfg.rollout.engine = engine
+        for placement in ("one_process", "colocated", "disaggregated"):
+            assert engine_applies_adapters(cfg, placement) and merged_fallback(cfg, placement) is None
+    cfg.rollout.engine = "plugin_engine"
     for placement in ("one_process", "colocated", "disaggregated"):
-        assert engine_applies_adapters(cfg, placement) and merged_fallback(cfg, placement) is None
-    cfg.rollout.engine = "vllm"  # set after loading: validation would ask for the vllm package
-    assert engine_applies_adapters(cfg, "one_process") and merged_fallback(cfg, "one_process") is None
-    for placement in ("colocated", "disaggregated"):
         line = merged_fallback(cfg, placement)
         assert not engine_applies_adapters(cfg, placement) and "\n" not in line
-        assert f"rollout.engine=vllm in the {placement} placement receives merged weights" in line
+        assert f"rollout.engine=plugin_engine in the {placement} placement receives merged weights" in line
     cfg.lora.sync = "merged"
     assert merged_fallback(cfg, "disaggregated") is None  # asked for merged weights: nothing to warn of
+    cfg.rollout.engine = "vllm"
     assert not engine_applies_adapters(cfg, "one_process")

@@ -135,3 +135,16 @@ def compare_steps(reference: List[dict], got: List[dict], loss_tol: float) -> fl
             worst = max(worst, gap)
             assert gap <= loss_tol, (a["step"], key, a[key], b[key])
     return worst
+
+
+def full_adapter_bytes(rank: int, recipe: str = "tiny_cpu") -> int:
+    """The fp32 bytes of a recipe's full (TP = 1) adapters at ``rank``: per layer, A [rank, in]
+    and B [out, rank] of the fused QKV, the attention output, the gated fc1 and fc2."""
+    from megatron_rl.checks import load_config
+
+    m = load_config(recipe, []).model
+    head = m.hidden_size // m.num_attention_heads
+    qkv_out = m.hidden_size + 2 * m.num_query_groups * head
+    shapes = [(m.hidden_size, qkv_out), (m.hidden_size, m.hidden_size), (m.hidden_size, 2 * m.ffn_hidden_size),
+              (m.ffn_hidden_size, m.hidden_size)]  # (in, out) of each adapted linear
+    return 4 * m.num_layers * sum(rank * (n_in + n_out) for n_in, n_out in shapes)

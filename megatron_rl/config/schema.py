@@ -196,10 +196,10 @@ class LoraConfig:
     targets: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
     # What a weight sync sends. adapters: the engine carries the adapters; the first sync sends the
     # frozen base and the adapters, each later one the adapters alone. The embedded engine (every
-    # placement) applies them unmerged (no merged weight rounded to model.dtype); vLLM in one process
-    # serves them as a LoRA of its own (started with LoRA enabled). merged: W + (alpha / rank)·B·A,
-    # computed in fp32 and cast to model.dtype, the whole model every sync. vLLM in a torchrun world
-    # receives merged weights either way (one warning line at start).
+    # placement) applies them unmerged (no merged weight rounded to model.dtype); vLLM (every
+    # placement) serves them as a LoRA of its own (started with LoRA enabled). merged:
+    # W + (alpha / rank)·B·A, computed in fp32 and cast to model.dtype, the whole model every sync.
+    # Another registered engine receives merged weights either way (one warning line at start).
     sync: str = "adapters"
 
 

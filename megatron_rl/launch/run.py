@@ -70,7 +70,8 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
     if role == "engine":
         me = plan.ranks[rank]
         if engine_entry(cfg).weights == CHANNEL:
-            _serve_channel_engine_rank(cfg, plan, vocab, host, authkey, me.engine or 0, me.engine_member or 0)
+            _serve_channel_engine_rank(cfg, plan, vocab, sync, host, authkey, me.engine or 0,
+                                       me.engine_member or 0)
         else:
             _serve_engine_rank(cfg, plan, vocab, sync, host, authkey, me.engine or 0)
         return None
@@ -123,6 +124,12 @@ def _weight_sync(cfg: RootConfig, plan: Plan, role: str, host: str):
     timeout = timedelta(seconds=cfg.trainer.rank_timeout_s)
     if engine_entry(cfg).weights != CHANNEL:
         return build_sync_groups(topology, timeout), []
+    if plan.layout.engine_adapters:
+        # vLLM serving a LoRA learner's adapters: each engine's hosting rank takes every push (the
+        # base once, then the adapters) into host memory over gloo groups of the world and loads
+        # its engine (weights/adapter_sync.py); collective, every rank builds them.
+        hosts = tuple(group[0] for group in plan.engine_groups)
+        return build_sync_groups(SyncTopology(plan.sync_sources, hosts), timeout, host_memory=True), []
     if role != "learner":
         return None, []
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -140,13 +147,15 @@ def _rank_cores(cfg: RootConfig, plan: Plan) -> int:
     return max(1, (cfg.trainer.cpu_threads or available_cores()) // plan.gpus_per_node)
 
 
-def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: str, authkey: bytes,
+def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str, authkey: bytes,
                                engine_index: int, member: int) -> None:
     """An engine whose entry's weights come by CHANNEL (vLLM): the first rank of an engine's
     ``rollout.tp`` ranks hosts it (its engine core and workers are processes of its own, on the
     GPUs of all the engine's ranks), served to the driver like any engine. Its workers join the
     learners' weight channels and receive each version while the engine keeps generating. The
-    engine's other ranks only lend their GPU."""
+    engine's other ranks only lend their GPU. Under lora.sync=adapters this rank's own process
+    takes each push over the world's groups instead and loads its engine with it (the base
+    through vLLM's own weight channel, the adapters as its LoRA)."""
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
@@ -166,7 +175,12 @@ def _serve_channel_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, host: st
     everyone = _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     addresses = [a for _, a in sorted((stage, tuple(a)) for info in everyone for stage, a in info["channels"])]
     timeline = _RankTimeline()
-    receive = engine_receiver("vllm", engine, ChannelLinks(tuple(addresses), 1 + engine_index * r.tp), timeline.span)
+    if plan.layout.engine_adapters:
+        # The pushes come to this rank over the world's groups (``_weight_sync``), not to the workers.
+        receive = engine_receiver("vllm", engine, sync, timeline.span, adapters=True)
+    else:
+        receive = engine_receiver("vllm", engine, ChannelLinks(tuple(addresses), 1 + engine_index * r.tp),
+                                  timeline.span)
     conn = listener.accept()
     try:
         asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
@@ -181,7 +195,6 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     closes); weights arrive over the world's weight-sync groups. It stops only when the driver
     stops it: a stop signal is the driver's to act on (it checkpoints after the step, which
     needs the engines)."""
-    from ..models.lora import engine_applies_adapters
     from ..rollout.build import engine_entry
     from ..rollout.remote import EngineListener
     from ..rollout.serve import EngineServer
@@ -195,7 +208,7 @@ def _serve_engine_rank(cfg: RootConfig, plan: Plan, vocab: int, sync, host: str,
     _all_gather_ranks("engine", listener.address, (engine.pids() or [None])[0])
     timeline = _RankTimeline()
     receive = engine_receiver("embedded", engine, sync, timeline.span,
-                              adapters=engine_applies_adapters(cfg, "disaggregated"))
+                              adapters=plan.layout.engine_adapters)
     conn = listener.accept()
     asyncio.run(EngineServer(conn, engine, extra={"receive_weights": receive, "open_timeline": timeline.open}).run())
 

@@ -41,19 +41,19 @@ ADAPTER_SUFFIXES = (".lora_a", ".lora_b")
 LORA_SYNCS = ("adapters", "merged")
 
 
-# Where a vLLM engine serves the learner's adapters through vLLM's own LoRA support
-# (rollout/vllm/engine.py); in the other placements it receives merged weights.
-VLLM_ADAPTER_PLACEMENTS = ("one_process",)
+# The engines that carry a LoRA learner's adapters under lora.sync=adapters, in every placement:
+# the embedded engine applies them unmerged; vLLM serves them as a LoRA of its own
+# (rollout/vllm/engine.py). Any other registered engine receives merged weights.
+ADAPTER_ENGINES = ("embedded", "vllm")
 
 
 def engine_applies_adapters(cfg, placement: str) -> bool:
     """Whether this run's engines in ``placement`` (one_process, colocated, disaggregated) carry
     the adapters (lora.sync=adapters), so that each weight sync after the first sends the adapters
-    alone: the embedded engine in every placement (it applies them unmerged), vLLM in
-    ``VLLM_ADAPTER_PLACEMENTS`` (as a LoRA of its own). Other engines receive merged weights."""
+    alone: an engine of ``ADAPTER_ENGINES`` (the same in every placement)."""
     if cfg.lora.rank <= 0 or cfg.lora.sync != "adapters":
         return False
-    return cfg.rollout.engine == "embedded" or (cfg.rollout.engine == "vllm" and placement in VLLM_ADAPTER_PLACEMENTS)
+    return cfg.rollout.engine in ADAPTER_ENGINES
 
 
 def merged_fallback(cfg, placement: str) -> str | None:
@@ -62,7 +62,7 @@ def merged_fallback(cfg, placement: str) -> str | None:
     if cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and not engine_applies_adapters(cfg, placement):
         return (f"lora.sync=adapters: rollout.engine={cfg.rollout.engine} in the {placement} placement receives "
                 "merged weights (W + (alpha / rank)·B·A cast to model.dtype) at every sync; adapter-only sync is "
-                "built for rollout.engine=embedded (every placement) and rollout.engine=vllm in one process")
+                f"built for rollout.engine={' and '.join(ADAPTER_ENGINES)}")
     return None
 
 

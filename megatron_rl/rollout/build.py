@@ -135,21 +135,27 @@ def build_vllm(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: Thr
 def vllm_on_engine_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: int,
                         gpu_ids: Optional[List[int]]) -> RolloutEngine:
     """vLLM on the first rank of an engine's ``rollout.tp`` ranks: its engine core and workers are
-    processes of vLLM's own, on the GPUs of all the engine's ranks."""
+    processes of vLLM's own, on the GPUs of all the engine's ranks. Under lora.sync=adapters it
+    serves the learner's adapters as a LoRA of its own, as in one process."""
+    from ..models.lora import engine_applies_adapters
     from .vllm import VLLMEngine
 
     r = cfg.rollout
+    lora = cfg.lora if engine_applies_adapters(cfg, "disaggregated") else None
     return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=seed, cpu_threads=cpu_threads, tp=r.tp,
-                      gpu_ids=gpu_ids, weight_timeout_s=r.weight_timeout_s)
+                      gpu_ids=gpu_ids, weight_timeout_s=r.weight_timeout_s, lora=lora)
 
 
 def vllm_on_learner_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: int,
                          gpu_ids: Optional[List[int]]) -> RolloutEngine:
-    """vLLM beside a colocated learner rank, on its GPU; it sleeps while the learner trains."""
+    """vLLM beside a colocated learner rank, on its GPU; it sleeps while the learner trains. Under
+    lora.sync=adapters it serves the learner's adapters as a LoRA of its own, as in one process."""
+    from ..models.lora import engine_applies_adapters
     from .vllm import VLLMEngine
 
+    lora = cfg.lora if engine_applies_adapters(cfg, "colocated") else None
     return VLLMEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=cpu_threads,
-                      gpu_ids=gpu_ids, weight_timeout_s=cfg.rollout.weight_timeout_s)
+                      gpu_ids=gpu_ids, weight_timeout_s=cfg.rollout.weight_timeout_s, lora=lora)
 
 
 def _has_cuda() -> bool:
@@ -160,8 +166,8 @@ def _has_cuda() -> bool:
 
 def check_vllm(cfg: RootConfig, placement: str) -> None:
     """What vLLM cannot run: MoE weights on a CPU; the long-tail benchmark workload; in the torchrun
-    world, a colocated engine wider than its rank's GPU and weights by file; in one process, LoRA
-    adapters of a rank vLLM cannot serve; and nothing without the vllm package."""
+    world, a colocated engine wider than its rank's GPU and weights by file; LoRA adapters of a rank
+    vLLM cannot serve; and nothing without the vllm package."""
     r = cfg.rollout
     check_engine_device(r, placement)
     if r.long_tail_median:
@@ -179,9 +185,9 @@ def check_vllm(cfg: RootConfig, placement: str) -> None:
     if placement == WORLD and r.weight_transport == "file":
         raise refuse("rollout.weight_transport=file with rollout.engine=vllm", WORLD,
                      "the learners broadcast weights to vLLM's workers; use rollout.weight_transport=broadcast")
-    # In one process vLLM serves the adapters as a LoRA of its own (max_lora_rank at most 512:
+    # vLLM serves the adapters as a LoRA of its own in every placement (max_lora_rank at most 512:
     # rollout/vllm/adapter.py's MAX_LORA_RANKS).
-    if placement == ONE_PROCESS and cfg.lora.sync == "adapters" and cfg.lora.rank > 512:
+    if cfg.lora.sync == "adapters" and cfg.lora.rank > 512:
         raise ConfigError(f"lora.rank={cfg.lora.rank} with lora.sync=adapters and rollout.engine=vllm: vLLM serves "
                           "LoRA adapters of rank 512 at most; use lora.rank<=512 or lora.sync=merged")
     check_vllm_installed(r)

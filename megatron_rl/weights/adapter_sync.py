@@ -1,7 +1,7 @@
 """Adapter-only weight sync for a LoRA run whose engines carry the adapters (``lora.sync=adapters``,
-``models.lora.engine_applies_adapters``): embedded engines, which apply them unmerged, in every
-placement; vLLM in one process, which serves them as a LoRA of its own (``rollout/vllm/engine.py``:
-each push's adapters become a PEFT directory that vLLM loads).
+``models.lora.engine_applies_adapters``), in every placement: embedded engines, which apply them
+unmerged; vLLM, which serves them as a LoRA of its own (``rollout/vllm/engine.py``: each push's
+adapters become a PEFT directory that vLLM loads).
 
 The engine's model carries the same adapted linears as the learner's, so it computes
 ``W·x + s·B·(A·x)`` exactly as the learner does and no merged weight is ever rounded to the
@@ -18,7 +18,10 @@ Entries by placement (``ADAPTER_TRANSPORTS``, looked up by ``transport_registry.
 - colocated: every learner rank gathers every stage's (``export.all_stage_tensors``) and loads
   its own engine (``AdapterLocalSender``);
 - disaggregated: each stage's source broadcasts its stage over the world's weight-sync groups
-  (``AdapterBroadcastSender``), the engine ranks take them (``AdapterWorldReceiver``).
+  (``AdapterBroadcastSender``), the engine ranks take them (``AdapterWorldReceiver``). A vLLM
+  engine rank takes them the same way, into host memory over gloo groups (its workers are not
+  ranks of the world; ``launch/run.py``), and loads its engine: the base through vLLM's own
+  weight channel, the adapters as its LoRA.
 Each reports ``sync/bytes`` (what one engine received in the push) and ``sync/adapter_only``
 (1 once the base has gone).
 """
@@ -139,8 +142,8 @@ class AdapterBroadcastSender:
 
 
 class AdapterWorldReceiver(WorldReceiver):
-    """An embedded engine with the adapters on an engine rank: the base and adapters, or the
-    adapters alone, swapped in whole; returns its receive's seconds with the push's figures."""
+    """An engine with the adapters on an engine rank (embedded, or vLLM): the base and adapters,
+    or the adapters alone, swapped in whole; returns its receive's seconds with the push's figures."""
 
     async def receive(self, version: int) -> Dict[str, float]:
         from ..models.lora import is_adapter_name

@@ -86,6 +86,10 @@ class WeightChannel:
             return self._group
 
     def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        if self.rank == 0 and self.device is not None and tensor.device != self.device:
+            # A host that received the weights into host memory (a vLLM engine rank under LoRA)
+            # sends over NCCL from its GPU.
+            tensor = tensor.to(self.device)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         self._pg().broadcast([tensor], opts).wait()

@@ -45,6 +45,9 @@ class SyncGroups:
     topology: SyncTopology
     # This rank's link of each stage (None: not a member of that stage's link).
     links: List[Optional[Link]] = field(default_factory=list)
+    # Receive into host memory: the receiving process hands the tensors on and computes nothing
+    # with them on its GPU (a vLLM engine rank, whose GPU is vLLM's).
+    host_memory: bool = False
 
 
 def sync_topology(num_learner_ranks: int, tp: int, pp: int, cp: int, engine_ranks: Sequence[int]) -> SyncTopology:
@@ -54,13 +57,15 @@ def sync_topology(num_learner_ranks: int, tp: int, pp: int, cp: int, engine_rank
     return SyncTopology(tuple(stage * per_stage for stage in range(pp)), tuple(engine_ranks))
 
 
-def build_sync_groups(topology: SyncTopology, timeout=None) -> SyncGroups:
+def build_sync_groups(topology: SyncTopology, timeout=None, host_memory: bool = False) -> SyncGroups:
     """Collective over the whole world (every rank calls it, members or not). ``timeout``: a
-    broadcast that waits longer for a peer fails instead of hanging."""
+    broadcast that waits longer for a peer fails instead of hanging. ``host_memory``: gloo groups
+    whose receivers take the tensors into host memory (``SyncGroups.host_memory``)."""
     from ..process_groups import new_groups
 
-    groups = new_groups(topology.group_ranks(), timeout=timeout)
-    return SyncGroups(topology, [None if g is None else WorldLink(g, src) for g, src in zip(groups, topology.sources)])
+    groups = new_groups(topology.group_ranks(), backend="gloo" if host_memory else None, timeout=timeout)
+    return SyncGroups(topology, [None if g is None else WorldLink(g, src) for g, src in zip(groups, topology.sources)],
+                      host_memory=host_memory)
 
 
 def build_channel_groups(topology: SyncTopology, host: str, receivers: int, backend: str,
@@ -110,4 +115,4 @@ def send_stage_tensors(named: Iterable[Tuple[str, torch.Tensor]], groups: SyncGr
 
 def receive_weights(groups: SyncGroups) -> Tuple[int, Dict[str, torch.Tensor], SyncStats]:
     """Engine side: every stage's tensors (HF names), the version they carry, and timing."""
-    return receive_all(groups.links, _device())
+    return receive_all(groups.links, None if groups.host_memory else _device())

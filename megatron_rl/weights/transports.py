@@ -25,8 +25,9 @@ Transports (engine kind, placement -> name: how the tensors travel):
 - embedded, disaggregated -> world_broadcast: buckets over groups of the torchrun world (``sync.py``);
 - vllm, disaggregated -> vllm_channel: buckets over weight channels vLLM's workers join
   (``channel.py``).
-A LoRA learner whose engines carry the adapters (embedded, or vLLM in one process) has an entry per
-placement in ``adapter_sync.py`` (the same paths; the frozen base once, then the adapters alone).
+A LoRA learner whose engines carry the adapters (embedded or vLLM) has an entry per placement in
+``adapter_sync.py`` (the frozen base once, then the adapters alone; to a vLLM engine rank over the
+world's groups, as to an embedded one).
 """
 
 from __future__ import annotations
