@@ -205,6 +205,23 @@ def test_learner_gpu_bench_lora_flops_for_the_14b_recipe():
     assert step_flops(m, 151936, 8, 2048) == 6 * n * tokens + attention  # full fine-tuning's count
 
 
+def _built_family_model(family: str):
+    """(ModelConfig, vocabulary, a built Megatron model) of tests/hf_helpers.py's small config of ``family``;
+    tools/bench on the path for model_size."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    sys.path.insert(0, str(TOOLS.parent / "tests"))
+    from hf_helpers import hf_config
+
+    from megatron_rl.models.families import get_family
+    from megatron_rl.models.gpt import build_gpt_model
+    from megatron_rl.models.hf_config import model_config_from_hf
+
+    hf = hf_config(family).to_dict()
+    hf["architectures"] = [get_family(family).architecture]
+    m, vocab = model_config_from_hf(hf)
+    return m, vocab, build_gpt_model(m, vocab)
+
+
 @pytest.mark.parametrize("family,targets", [("qwen3", ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]),
                                             ("qwen2_moe", ["linear_qkv", "linear_proj"]),
                                             ("deepseek_v3", ["linear_proj", "linear_fc1"])])
@@ -212,20 +229,10 @@ def test_bench_lora_params_count_the_adapters_of_the_built_model(megatron_world,
     """tools/bench/model_size.py's adapter count against models/lora.py's adapters on a built model:
     fused q/k/v and gate/up, grouped-query and latent attention, MoE layers without MLP adapters
     (deepseek_v3's first layer is dense: its linear_fc1 gets one)."""
-    sys.path.insert(0, str(TOOLS / "bench"))
-    sys.path.insert(0, str(TOOLS.parent / "tests"))
-    from hf_helpers import hf_config
-    from model_size import lora_params
-
-    from megatron_rl.models.families import get_family
-    from megatron_rl.models.gpt import build_gpt_model
-    from megatron_rl.models.hf_config import model_config_from_hf
     from megatron_rl.models.lora import add_lora
 
-    hf = hf_config(family).to_dict()
-    hf["architectures"] = [get_family(family).architecture]
-    m, vocab = model_config_from_hf(hf)
-    model = build_gpt_model(m, vocab)
+    m, _, model = _built_family_model(family)
+    from model_size import lora_params
     add_lora(model, 4, 8.0, 0.0, targets)
     assert lora_params(m, 4, targets) == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
 
@@ -235,19 +242,8 @@ def test_bench_matmul_params_count_every_matmul_weight_of_the_built_model(megatr
     """tools/bench/model_size.py's counts against a built Megatron model of each family (dense
     layers, shared experts and their gate, multi-head latent attention included): every 2-D
     weight but the embedding lookup."""
-    sys.path.insert(0, str(TOOLS / "bench"))
-    sys.path.insert(0, str(TOOLS.parent / "tests"))
-    from hf_helpers import hf_config
+    m, vocab, model = _built_family_model(family)
     from model_size import matmul_params
-
-    from megatron_rl.models.families import get_family
-    from megatron_rl.models.gpt import build_gpt_model
-    from megatron_rl.models.hf_config import model_config_from_hf
-
-    hf = hf_config(family).to_dict()
-    hf["architectures"] = [get_family(family).architecture]
-    m, vocab = model_config_from_hf(hf)
-    model = build_gpt_model(m, vocab)
     weights = sum(p.numel() for name, p in model.named_parameters()
                   if p.dim() == 2 and name != "embedding.word_embeddings.weight")
     if m.tie_word_embeddings:

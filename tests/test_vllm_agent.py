@@ -3,17 +3,11 @@ steps, every recorded trajectory token checked against what vLLM produced.
 
 Skipped where vLLM cannot be imported; MEGATRON_RL_REQUIRE_VLLM=1 (tests/run_vllm.sh) fails instead."""
 
-import os
 
-import pytest
 
-from megatron_rl.rollout.vllm import vllm_import_error
+from vllm_required import require_vllm
 
-_REASON = vllm_import_error()
-if _REASON:
-    if os.environ.get("MEGATRON_RL_REQUIRE_VLLM") == "1":
-        pytest.fail(f"MEGATRON_RL_REQUIRE_VLLM=1 but {_REASON}", pytrace=False)
-    pytest.skip(f"vLLM agent test skipped: {_REASON}", allow_module_level=True)
+require_vllm("vLLM agent test")
 
 from agent_helpers import agent_overrides, check_token_for_token, recording_trainer, write_tokenizer  # noqa: E402
 

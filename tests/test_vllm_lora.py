@@ -16,13 +16,9 @@ import time
 import pytest
 import torch
 
-from megatron_rl.rollout.vllm import vllm_import_error
+from vllm_required import require_vllm
 
-_REASON = vllm_import_error()
-if _REASON:
-    if os.environ.get("MEGATRON_RL_REQUIRE_VLLM") == "1":
-        pytest.fail(f"MEGATRON_RL_REQUIRE_VLLM=1 but {_REASON}", pytrace=False)
-    pytest.skip(f"vLLM LoRA tests skipped: {_REASON}", allow_module_level=True)
+require_vllm("vLLM LoRA tests")
 
 from megatron_rl.config.schema import RootConfig  # noqa: E402
 from megatron_rl.learner.worker import LearnerWorker  # noqa: E402

@@ -11,15 +11,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
-from megatron_rl.rollout.vllm import vllm_import_error
+from vllm_required import require_vllm
 
-_REASON = vllm_import_error()
-if _REASON:
-    if os.environ.get("MEGATRON_RL_REQUIRE_VLLM") == "1":
-        pytest.fail(f"MEGATRON_RL_REQUIRE_VLLM=1 but {_REASON}", pytrace=False)
-    pytest.skip(f"vLLM world tests skipped: {_REASON}", allow_module_level=True)
+require_vllm("vLLM world tests")
 
 from world_runs import alive_after, descendants, finish, kill_session, rows, start, wait_for_steps  # noqa: E402
 
