@@ -241,7 +241,7 @@ def _transport(cfg: RootConfig, placement: str, engines: List[Any], run_on_learn
     fallback = merged_fallback(cfg, placement)
     if fallback:
         logger.warning(fallback)
-    entry = transport_for(cfg.rollout.engine, placement, adapters=engine_applies_adapters(cfg, placement))
+    entry = transport_for(cfg.rollout.engine, placement, adapters=engine_applies_adapters(cfg))
     return entry.transport(engines, run_on_learners, cfg.rollout.weight_timeout_s, worker=worker)
 
 

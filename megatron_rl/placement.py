@@ -251,7 +251,7 @@ def layout_from_config(cfg) -> Layout:
     lc, rc = cfg.learner, cfg.rollout
     return Layout(tp=lc.tp, pp=lc.pp, ep=lc.ep, cp=lc.cp, dp=lc.dp, engines=rc.engines, engine_tp=rc.tp,
                   placement=rc.placement, engine_kind=rc.engine,
-                  engine_adapters=engine_applies_adapters(cfg, rc.placement))
+                  engine_adapters=engine_applies_adapters(cfg))
 
 
 def plan_for(cfg, world_size: int, gpus_per_node: Optional[int] = None) -> Plan:

@@ -137,13 +137,13 @@ def test_lora_on_an_engine_without_adapter_support_warns_in_one_line():
     for engine in ("embedded", "vllm"):  # set after loading: validation would ask for the vllm package
         cfg.rollout.engine = engine
         for placement in ("one_process", "colocated", "disaggregated"):
-            assert engine_applies_adapters(cfg, placement) and merged_fallback(cfg, placement) is None
+            assert engine_applies_adapters(cfg) and merged_fallback(cfg, placement) is None
     cfg.rollout.engine = "plugin_engine"
     for placement in ("one_process", "colocated", "disaggregated"):
         line = merged_fallback(cfg, placement)
-        assert not engine_applies_adapters(cfg, placement) and "\n" not in line
+        assert not engine_applies_adapters(cfg) and "\n" not in line
         assert f"rollout.engine=plugin_engine in the {placement} placement receives merged weights" in line
     cfg.lora.sync = "merged"
     assert merged_fallback(cfg, "disaggregated") is None  # asked for merged weights: nothing to warn of
     cfg.rollout.engine = "vllm"
-    assert not engine_applies_adapters(cfg, "one_process")
+    assert not engine_applies_adapters(cfg)

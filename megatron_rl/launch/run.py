@@ -78,7 +78,6 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
 
     from ..learner.group import LearnerGroup, serve_learner
     from ..learner.worker import LearnerWorker
-    from ..models.lora import engine_applies_adapters
     from ..stop import install_stop_handlers
     from ..weights.transport_registry import learner_sender
 
@@ -91,7 +90,7 @@ def run_split_world(cfg: RootConfig, plan: Plan) -> Optional[Dict[str, float]]:
         hosted.serve()
     local = (hosted.engine, hosted.loop) if hosted else None
     sender = learner_sender(cfg.rollout.engine, plan.layout.placement, local if hosted else sync,
-                            adapters=engine_applies_adapters(cfg, plan.layout.placement))
+                            adapters=plan.layout.engine_adapters)
     worker = LearnerWorker(cfg, vocab, tokenizer.pad_id, weights_sender=sender, local_engine=local)
     try:
         if rank != DRIVER:

@@ -47,19 +47,25 @@ LORA_SYNCS = ("adapters", "merged")
 ADAPTER_ENGINES = ("embedded", "vllm")
 
 
-def engine_applies_adapters(cfg, placement: str) -> bool:
-    """Whether this run's engines in ``placement`` (one_process, colocated, disaggregated) carry
-    the adapters (lora.sync=adapters), so that each weight sync after the first sends the adapters
-    alone: an engine of ``ADAPTER_ENGINES`` (the same in every placement)."""
+def engine_applies_adapters(cfg) -> bool:
+    """Whether this run's engines carry the adapters (lora.sync=adapters), so that each weight sync
+    after the first sends the adapters alone: an engine of ``ADAPTER_ENGINES``, in every placement
+    (one process, an engine rank of a torchrun world, a colocated learner rank's engine)."""
     if cfg.lora.rank <= 0 or cfg.lora.sync != "adapters":
         return False
     return cfg.rollout.engine in ADAPTER_ENGINES
 
 
+def engine_lora(cfg):
+    """What an engine is built with to carry the adapters: ``cfg.lora`` when it does
+    (``engine_applies_adapters``), else None (it takes merged weights)."""
+    return cfg.lora if engine_applies_adapters(cfg) else None
+
+
 def merged_fallback(cfg, placement: str) -> str | None:
     """The one warning line of a run that asked for adapter-only sync but whose engine takes
     merged weights, None otherwise."""
-    if cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and not engine_applies_adapters(cfg, placement):
+    if cfg.lora.rank > 0 and cfg.lora.sync == "adapters" and not engine_applies_adapters(cfg):
         return (f"lora.sync=adapters: rollout.engine={cfg.rollout.engine} in the {placement} placement receives "
                 "merged weights (W + (alpha / rank)·B·A cast to model.dtype) at every sync; adapter-only sync is "
                 f"built for rollout.engine={' and '.join(ADAPTER_ENGINES)}")

@@ -70,12 +70,12 @@ def build_embedded(cfg: RootConfig, vocab: int, overlap: bool, learner_executor:
     """The learner's Megatron model behind a KV cache: in this process, or in a child process of
     its own with ``rollout.separate_process`` (on a CPU its decode loop and the learner's step
     then do not take turns on one interpreter lock)."""
-    from ..models.lora import engine_applies_adapters
+    from ..models.lora import engine_lora
     from .embedded import EmbeddedEngine, EngineProcess, engine_options
 
     r = cfg.rollout
     # lora.sync=adapters: the engine applies the learner's adapters unmerged (weights/adapter_sync.py).
-    lora = cfg.lora if engine_applies_adapters(cfg, "one_process") else None
+    lora = engine_lora(cfg)
     if r.separate_process:
         return EngineProcess(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
                              device_index=device_index, lora=lora, **engine_options(cfg))
@@ -88,10 +88,10 @@ def embedded_on_engine_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads:
                             gpu_ids: Optional[List[int]]) -> RolloutEngine:
     """An engine rank's embedded engine, in the rank's own process (its device is the rank's);
     under lora.sync=adapters with the learner's adapters, applied unmerged."""
-    from ..models.lora import engine_applies_adapters
+    from ..models.lora import engine_lora
     from .embedded import EmbeddedEngine, engine_options
 
-    lora = cfg.lora if engine_applies_adapters(cfg, "disaggregated") else None
+    lora = engine_lora(cfg)
     return EmbeddedEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, lora=lora, **engine_options(cfg))
 
 
@@ -100,10 +100,10 @@ def embedded_on_learner_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads
     """A colocated learner rank's embedded engine: a child process (its own interpreter) on the
     rank's GPU, beside the learner that loads its weights; under lora.sync=adapters with the
     learner's adapters, applied unmerged."""
-    from ..models.lora import engine_applies_adapters
+    from ..models.lora import engine_lora
     from .embedded import EngineProcess, engine_options
 
-    lora = cfg.lora if engine_applies_adapters(cfg, "colocated") else None
+    lora = engine_lora(cfg)
     return EngineProcess(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=cpu_threads,
                          device_index=gpu_ids[0] if gpu_ids else None, lora=lora, **engine_options(cfg))
 
@@ -123,11 +123,11 @@ def build_vllm(cfg: RootConfig, vocab: int, overlap: bool, learner_executor: Thr
     """vLLM's AsyncLLM. Its engine core runs in a process of its own; it starts on dummy weights
     and the trainer pushes the learner's before any rollout; under lora.sync=adapters with LoRA
     enabled, serving the learner's adapters as a LoRA of its own."""
-    from ..models.lora import engine_applies_adapters
+    from ..models.lora import engine_lora
     from .vllm import VLLMEngine
 
     r = cfg.rollout
-    lora = cfg.lora if engine_applies_adapters(cfg, "one_process") else None
+    lora = engine_lora(cfg)
     return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=cfg.trainer.seed, cpu_threads=engine_threads,
                       tp=r.tp, weight_transport=r.weight_transport, weight_timeout_s=r.weight_timeout_s, lora=lora)
 
@@ -137,11 +137,11 @@ def vllm_on_engine_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: int
     """vLLM on the first rank of an engine's ``rollout.tp`` ranks: its engine core and workers are
     processes of vLLM's own, on the GPUs of all the engine's ranks. Under lora.sync=adapters it
     serves the learner's adapters as a LoRA of its own, as in one process."""
-    from ..models.lora import engine_applies_adapters
+    from ..models.lora import engine_lora
     from .vllm import VLLMEngine
 
     r = cfg.rollout
-    lora = cfg.lora if engine_applies_adapters(cfg, "disaggregated") else None
+    lora = engine_lora(cfg)
     return VLLMEngine(cfg.model, vocab, r.max_batch_size, seed=seed, cpu_threads=cpu_threads, tp=r.tp,
                       gpu_ids=gpu_ids, weight_timeout_s=r.weight_timeout_s, lora=lora)
 
@@ -150,10 +150,10 @@ def vllm_on_learner_rank(cfg: RootConfig, vocab: int, seed: int, cpu_threads: in
                          gpu_ids: Optional[List[int]]) -> RolloutEngine:
     """vLLM beside a colocated learner rank, on its GPU; it sleeps while the learner trains. Under
     lora.sync=adapters it serves the learner's adapters as a LoRA of its own, as in one process."""
-    from ..models.lora import engine_applies_adapters
+    from ..models.lora import engine_lora
     from .vllm import VLLMEngine
 
-    lora = cfg.lora if engine_applies_adapters(cfg, "colocated") else None
+    lora = engine_lora(cfg)
     return VLLMEngine(cfg.model, vocab, cfg.rollout.max_batch_size, seed=seed, cpu_threads=cpu_threads,
                       gpu_ids=gpu_ids, weight_timeout_s=cfg.rollout.weight_timeout_s, lora=lora)
 
