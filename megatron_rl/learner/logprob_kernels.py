@@ -20,9 +20,12 @@ Triton's interpreter in the vLLM test phase (tests/test_logprob_kernels.py) and 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Tuple
 
 import torch
+
+from ..models.decode_attention import triton_importable
 
 # Entries per block: a row of a 152k vocabulary is 38 blocks of 4,096.
 FORWARD_BLOCK = 4096
@@ -32,21 +35,9 @@ BACKWARD_BLOCK = 4096
 _FLOOR = -1.0e30
 
 
-@functools.lru_cache(maxsize=1)
-def triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # noqa: BLE001 - absent or broken: the compiled chunk functions run instead
-        return False
-    return True
-
-
 def available(logits: torch.Tensor) -> bool:
     """Whether the kernels take these logits: on a GPU (or under Triton's interpreter), with
     triton importable."""
-    import os
-
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (logits.is_cuda or interpreted) and triton_importable()
 

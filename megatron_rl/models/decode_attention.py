@@ -36,13 +36,19 @@ TARGET_PROGRAMS = 4 * 132
 
 
 @functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
+def triton_importable() -> bool:
+    """Whether triton imports here (with or without a GPU: its interpreter runs on a CPU)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
     except Exception:  # noqa: BLE001 - absent or broken: torch's kernels run instead
         return False
-    return torch.cuda.is_available()
+    return True
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run compiled: triton imports and there is a GPU."""
+    return triton_importable() and torch.cuda.is_available()
 
 
 def supports(head_dim: int, per_group: int) -> bool:
