@@ -46,6 +46,12 @@ def window(spans: List[Dict], steps: int) -> List[Dict]:
             for s in spans if s["end"] > lo and s["start"] < hi]
 
 
+def moving_mean(values: List[float], smooth: int) -> List[float]:
+    """Each value's mean with up to ``smooth`` - 1 values before it."""
+    return [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
+            for i in range(len(values))]
+
+
 def reward_svg(steps: List[int], rewards: List[float], width: int = 720, height: int = 300, smooth: int = 10) -> str:
     """Reward per step (light) and its moving mean over ``smooth`` steps (dark), axes labelled."""
     left, right, top, bottom = 50, 15, 15, 40
@@ -57,8 +63,7 @@ def reward_svg(steps: List[int], rewards: List[float], width: int = 720, height:
         y = top + (y_hi - value) / (y_hi - y_lo) * (height - top - bottom)
         return f"{x:.1f},{y:.1f}"
 
-    mean = [sum(rewards[max(0, i - smooth + 1):i + 1]) / len(rewards[max(0, i - smooth + 1):i + 1])
-            for i in range(len(rewards))]
+    mean = moving_mean(rewards, smooth)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif" '
            'font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>']
     for tick in (0.0, 0.25, 0.5, 0.75, 1.0):
@@ -88,8 +93,7 @@ def _panel(x0: float, width: float, height: float, steps: List[int], values: Lis
         y = top + (y_hi - value) / (y_hi - y_lo) * (height - top - bottom)
         return f"{x:.1f},{y:.1f}"
 
-    mean = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
-            for i in range(len(values))]
+    mean = moving_mean(values, smooth)
     out = []
     for i in range(5):
         tick = y_lo + (y_hi - y_lo) * i / 4

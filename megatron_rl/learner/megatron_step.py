@@ -177,7 +177,8 @@ def nonfinite_cause(model: torch.nn.Module, loss_sum: Optional[float]) -> Option
     """Why the optimizer step must not be taken: a non-finite loss or gradient on any learner
     rank (None: it may be). Every rank gets the same answer, so all of them skip together (the
     loss sum is already the same on every rank)."""
-    problems = [nonfinite_loss(loss_sum)] if nonfinite_loss(loss_sum) else []
+    loss_problem = nonfinite_loss(loss_sum)
+    problems = [loss_problem] if loss_problem else []
     # The largest magnitude of each gradient buffer is inf or NaN exactly when some entry is:
     # one read of the buffer, where isfinite().all() writes a boolean copy of it first.
     if _on_any_rank(model, [~torch.isfinite(torch.linalg.vector_norm(g, float("inf"))) for g in _gradients(model)]):
