@@ -75,6 +75,8 @@ def _scalar_scaled_ddp_class():
     """The class below, built on first use (megatron-core is imported lazily here)."""
     from megatron.core.distributed import DistributedDataParallel
 
+    from ..models.grouped_moe import mark_expert_grads_zeroed
+
     class ScalarScaledDDP(DistributedDataParallel):
         """megatron-core's data-parallel wrapper, scaling the gradient buffers by a Python float.
         ``finalize_model_grads`` passes 1 / (global token count) as a device scalar, and a buffer
@@ -82,7 +84,8 @@ def _scalar_scaled_ddp_class():
         a 2.8 B-parameter MoE on an H200) instead of the vectorised one. Reading the value costs no
         extra wait: finalize has just compared it with 0 on the host. Same product (the fp32 factor
         converts exactly). With ``defer_scale`` the factor is kept (``take_grad_factor``) instead of
-        applied: the optimizer step folds it into Adam (learner/folded_step.py)."""
+        applied: the optimizer step folds it into Adam (learner/folded_step.py). Zeroing the
+        buffers tells the grouped experts so (their first weight gradient is written, not added)."""
 
         defer_scale = False
         pending_factor = 1.0
@@ -94,6 +97,10 @@ def _scalar_scaled_ddp_class():
                 self.pending_factor *= scaling_factor
                 return
             super().scale_gradients(scaling_factor)
+
+        def zero_grad_buffer(self) -> None:
+            super().zero_grad_buffer()
+            mark_expert_grads_zeroed(self.module)
 
         def take_grad_factor(self) -> float:
             """The factor the gradients still lack (1 when none was deferred); resets it."""

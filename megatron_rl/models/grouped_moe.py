@@ -125,9 +125,10 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
     ``w`` is the detached (stack of the) weights."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, main_grads) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor, main_grads,
+                zeroed: Optional["ZeroedBuffers"] = None, key: str = "") -> torch.Tensor:
         ctx.save_for_backward(x, w, ends)
-        ctx.main_grads = main_grads
+        ctx.main_grads, ctx.zeroed, ctx.key = main_grads, zeroed, key
         return torch._grouped_mm(x, w.transpose(1, 2), offs=ends)
 
     @staticmethod
@@ -138,11 +139,16 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
         # one dtype (mixed, it adds tensor by tensor).
         main_grads = ctx.main_grads
         if len(main_grads) == 1 and main_grads[0].dim() == 3:  # one stacked parameter
-            _ADD_ROUTED(main_grads[0], *_raw_weight_grad(grad, x, ends))
+            raw = _raw_weight_grad(grad, x, ends)
+            if ctx.zeroed is not None and ctx.zeroed.take(ctx.key):
+                # The buffer holds zeros: write instead of add (no read of the fp32 buffer).
+                main_grads[0].copy_(_ZERO_UNROUTED(*raw, main_grads[0].dtype))
+            else:
+                _ADD_ROUTED(main_grads[0], *raw)
         else:
             grad_w = _grouped_weight_grad(grad, x, ends, main_grads[0].dtype)
             torch._foreach_add_(main_grads, list(grad_w.unbind(0)))
-        return torch._grouped_mm(grad, w, offs=ends), None, None, None
+        return torch._grouped_mm(grad, w, offs=ends), None, None, None, None, None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -218,6 +224,28 @@ class _RowsByToken(torch.autograd.Function):
         return grad.index_select(0, order), None, None
 
 
+class ZeroedBuffers:
+    """Which of a layer's gradient buffers are known to hold zeros: marked when the data-parallel
+    wrapper zeroes its buffers, taken (and cleared) by the first backward that writes one. Adding
+    a weight gradient into a zeroed fp32 buffer reads it for nothing: for 4 layers of 128
+    Qwen3-30B-A3B experts that read is ~10 GB, ~2.5 ms per step on an H200."""
+
+    KEYS = ("fc1", "fc2")
+
+    def __init__(self) -> None:
+        self._zeroed: set = set()
+
+    def mark(self) -> None:
+        self._zeroed = set(self.KEYS)
+
+    def take(self, key: str) -> bool:
+        """Whether buffer ``key`` holds zeros; from now on it does not (the caller writes it)."""
+        if key in self._zeroed:
+            self._zeroed.discard(key)
+            return True
+        return False
+
+
 class GroupedExperts(SequentialMLP):
     """The local experts of one MoE layer as grouped matmuls (same parameters as SequentialMLP,
     or, after ``stack_parameters``, the same weights as two stacked parameters)."""
@@ -235,6 +263,9 @@ class GroupedExperts(SequentialMLP):
         # Set by accumulate_expert_grads_into_main_grad (learner): weight gradients go straight
         # into the data-parallel wrapper's main_grad buffers.
         self.into_main_grad = False
+        # Which stacked weights' main_grad buffers hold zeros (set when the wrapper zeroes them):
+        # their first weight gradient is written, not added.
+        self.zeroed = ZeroedBuffers()
 
     def _grouped_supported(self) -> bool:
         config = self.config
@@ -356,9 +387,10 @@ class GroupedExperts(SequentialMLP):
                 fc2s = [e.linear_fc2.weight for e in self.local_experts]
                 fc1 = torch.stack([w.detach() for w in fc1s])
                 fc2 = torch.stack([w.detach() for w in fc2s])
-            hidden = _GroupedLinearIntoMainGrad.apply(x, fc1, ends, [w.main_grad for w in fc1s])
+            hidden = _GroupedLinearIntoMainGrad.apply(x, fc1, ends, [w.main_grad for w in fc1s], self.zeroed, "fc1")
             hidden = self._swiglu_times_probs(hidden, probs)
-            return _GroupedLinearIntoMainGrad.apply(hidden, fc2, ends, [w.main_grad for w in fc2s])
+            return _GroupedLinearIntoMainGrad.apply(hidden, fc2, ends, [w.main_grad for w in fc2s], self.zeroed,
+                                                    "fc2")
         fc1, fc2 = self.weights()
         hidden = grouped_linear(x, fc1, ends)
         hidden = self._swiglu_times_probs(hidden, probs)
@@ -518,6 +550,14 @@ def stack_expert_parameters(model: torch.nn.Module) -> int:
     stack_parameters``: for models that train or run the learner's forwards; call before
     wrapping for training). Returns the number of layers stacked."""
     return sum(module.stack_parameters() for module in model.modules() if isinstance(module, GroupedExperts))
+
+
+def mark_expert_grads_zeroed(model: torch.nn.Module) -> None:
+    """Tell every GroupedExperts of ``model`` that its main_grad buffers were just zeroed (called
+    by the data-parallel wrapper's ``zero_grad_buffer``)."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts) and module.into_main_grad and module.parameters_stacked:
+            module.zeroed.mark()
 
 
 def accumulate_expert_grads_into_main_grad(model: torch.nn.Module) -> int:
