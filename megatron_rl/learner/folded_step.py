@@ -27,6 +27,8 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .adam_kernel import step_with_copy
+
 
 def torch_fused_adams(optimizer) -> List[torch.optim.Optimizer]:
     """The torch optimizers under a Megatron optimizer (chained or not) if every one is a fused
@@ -73,7 +75,10 @@ def folded_step(optimizer, grad_factor: float) -> Tuple[Optional[str], Optional[
     for inner in inners:
         inner.grad_scale = scale  # read by torch.optim.Adam.step's fused path: grad / grad_scale
     try:
-        optimizer.step_with_ready_grads()
+        for megatron_opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+            # On a GPU, Adam and the copy into the bf16 weights as one pass (learner/adam_kernel.py).
+            if not step_with_copy(megatron_opt, scale):
+                megatron_opt.step_with_ready_grads()
     finally:
         for inner in inners:
             del inner.grad_scale
