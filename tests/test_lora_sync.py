@@ -121,3 +121,30 @@ def test_lora_run_syncs_adapters_only(megatron_world, tmp_path, separate_process
     else:
         assert not any("sync/adapter_only" in r for r in rows)
     assert all(r["sync/probe_gap"] <= TOL and r["train/behav_logprob_gap"] <= TOL for r in rows)
+
+
+def test_a_vllm_push_streams_its_base_and_keeps_the_adapters_aside():
+    """The vLLM engine's split of a push pulls the base's tensors one at a time as the loader
+    takes them (a full model's push is never held at once) and collects the adapters met on the
+    way; a push of adapters alone has no base."""
+    from megatron_rl.rollout.vllm.engine import _split_adapters
+
+    pulled = []
+
+    def push(names):
+        for name in names:
+            pulled.append(name)
+            yield name, torch.zeros(1)
+
+    lora_a = "decoder.layers.0.self_attention.linear_qkv.lora_a"
+    lora_b = "decoder.layers.0.self_attention.linear_qkv.lora_b"
+    base, adapters = _split_adapters(push(["model.embed_tokens.weight", lora_a, "lm_head.weight", lora_b]))
+    assert pulled == ["model.embed_tokens.weight"] and not adapters
+    first = next(base)
+    assert first[0] == "model.embed_tokens.weight" and len(pulled) == 1
+    assert [name for name, _ in base] == ["lm_head.weight"]
+    assert sorted(adapters) == [lora_a, lora_b] and len(pulled) == 4
+    pulled.clear()
+    base, adapters = _split_adapters(push([lora_a, lora_b]))
+    assert base is None and sorted(adapters) == [lora_a, lora_b]
+    assert _split_adapters(iter([])) == (None, {})

@@ -141,6 +141,26 @@ def test_abort_finishes_the_request_and_spares_the_others(served, loop):
     assert other.finish_reason == "length" and len(other.response_ids) == 40
 
 
+def test_an_engine_built_without_lora_refuses_adapter_pushes(served, loop):
+    """LoRA adapters pushed to an engine built without lora= fail with the error that names the
+    fix, whether they come alone or after a base; the engine keeps its version and serves on."""
+    engine, learner = served
+    adapter = ("decoder.layers.0.self_attention.linear_qkv.lora_a", torch.zeros(4, 8))
+
+    async def run():
+        await engine.pause()
+        try:
+            for push in ([adapter], [*learner.export_hf_weights(), adapter]):
+                with pytest.raises(EngineError, match="built without them: build it with lora="):
+                    await engine.update_weights(push, version=7)
+        finally:
+            await engine.resume()
+        return await generate_all(engine, [[1, 2, 3]], SamplingParams(max_new_tokens=4), tag="after")
+
+    after, = loop.run_until_complete(run())
+    assert after.versions == [1] * 4
+
+
 def test_pause_update_resume_mid_request_tags_every_token(served, loop):
     """A request spans a weight update: its tokens before carry version 1 and the learner's
     old logprobs, those after carry version 2; a request started after the update gets exactly

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import AsyncIterator, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import AsyncIterator, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -222,14 +222,15 @@ class VLLMEngine(RolloutEngine):
         self._check_reloadable()
         start = time.perf_counter()
         base, adapters = _split_adapters(named_tensors)
-        if adapters and self.lora is None:
-            raise EngineError(f"update_weights got {len(adapters)} LoRA adapter tensors but the vLLM engine was "
-                              "built without them: build it with lora= (the trainer does under lora.sync=adapters)")
         nbytes = 0
-        if base and self.weight_transport == "file":
+        if adapters and self.lora is None:  # an adapter-only push
+            raise EngineError(_NO_LORA.format(len(adapters)))
+        if base is not None and self.weight_transport == "file":
             nbytes += await self._load_through_file(base)
-        elif base:
+        elif base is not None:
             nbytes += await self._load_through_channel(base, version)
+        if adapters and self.lora is None:  # adapters after the base: the version is not set
+            raise EngineError(_NO_LORA.format(len(adapters)))
         if adapters:
             nbytes += await self._load_adapters(adapters, version)
         await self._set_version(version)
@@ -445,19 +446,35 @@ class VLLMEngine(RolloutEngine):
                 self._dead.set_result(None)
 
 
+_NO_LORA = ("update_weights got {} LoRA adapter tensors but the vLLM engine was built without them: build it "
+            "with lora= (the trainer does under lora.sync=adapters)")
+
+
 def _split_adapters(named_tensors: Iterable[Tuple[str, torch.Tensor]]
-                    ) -> Tuple[List[Tuple[str, torch.Tensor]], Dict[str, torch.Tensor]]:
-    """(the base's HF-named tensors, the LoRA adapters by Megatron name) of a push."""
+                    ) -> Tuple[Optional[Iterator[Tuple[str, torch.Tensor]]], Dict[str, torch.Tensor]]:
+    """(an iterator over the base's HF-named tensors, None when the push has none; the LoRA
+    adapters by Megatron name) of a push. The base streams: each tensor is pulled from the push
+    as the loader takes it (a full model's push is never held at once), and adapters met on the
+    way are kept aside, so the dict is complete once the iterator is exhausted."""
     from ...models.lora import is_adapter_name
 
-    base: List[Tuple[str, torch.Tensor]] = []
+    stream = iter(named_tensors)
     adapters: Dict[str, torch.Tensor] = {}
-    for name, tensor in named_tensors:
+    for name, tensor in stream:
         if is_adapter_name(name):
             adapters[name] = tensor
-        else:
-            base.append((name, tensor))
-    return base, adapters
+            continue
+
+        def base(first: Tuple[str, torch.Tensor] = (name, tensor)) -> Iterator[Tuple[str, torch.Tensor]]:
+            yield first
+            for item in stream:
+                if is_adapter_name(item[0]):
+                    adapters[item[0]] = item[1]
+                else:
+                    yield item
+
+        return base(), adapters
+    return None, adapters
 
 
 def _finish_reason(reason: Optional[str]) -> Optional[str]:
