@@ -59,8 +59,8 @@ for clip in (0.0, 1e-3):
         assert ok and abs(norm - expected_norm) <= 1e-6 * expected_norm
         parts = lambda opt: getattr(opt, "chained_optimizers", None) or [opt]
         main = lambda opt: [p for o in parts(opt) for g in o.optimizer.param_groups for p in g["params"]]
-        for a, b in zip(main(fused_opt), main(plain_opt)):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+        for i, (a, b) in enumerate(zip(main(fused_opt), main(plain_opt))):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=lambda m: f"weight {i}, step {step}: {m}")
         states = lambda opt: [s[k] for o in parts(opt) for s in o.optimizer.state.values()
                               for k in ("exp_avg", "exp_avg_sq", "step")]
         for i, (a, b) in enumerate(zip(states(fused_opt), states(plain_opt))):
