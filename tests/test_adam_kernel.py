@@ -42,6 +42,13 @@ adam_kernel._fused_kernels = counting
 
 for clip in (0.0, 1e-3):
     (fused, fused_opt), (plain, plain_opt) = build(clip), build(clip)
+    # The same starting weights (on a GPU, megatron-core initialises from its own CUDA RNG
+    # tracker, which torch.manual_seed does not reset), main weights copied from them.
+    with torch.no_grad():
+        for a, b in zip(fused.parameters(), plain.parameters()):
+            b.copy_(a)
+    for o in getattr(plain_opt, "chained_optimizers", None) or [plain_opt]:
+        o._copy_model_params_to_main_params()
     plain.defer_scale = False  # megatron-core's own step: scale the buffers, clip, Adam, copy
     gen = torch.Generator().manual_seed(1)
     for step in range(4):
