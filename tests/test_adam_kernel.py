@@ -82,6 +82,14 @@ for clip in (0.0, 1e-3):
             else:
                 torch.testing.assert_close(p.float(), m, rtol=2 ** -7, atol=0)
 assert max(kernel_tensors) >= 3, kernel_tensors
+# The once-per-device check against torch's AdamW passes, and catches a kernel that is off by a
+# 1 % learning rate; the optimizer then keeps torch's step.
+assert adam_kernel.agrees_with_torch(torch.device(DEVICE))
+adam_kernel._fused_kernels = lambda mains, models, inner, group, scale: launch(
+    mains, models, inner, dict(group, lr=group["lr"] * 1.01), scale)
+adam_kernel.agrees_with_torch.cache_clear()
+assert not adam_kernel.agrees_with_torch(torch.device(DEVICE))
+assert not any(adam_kernel.step_with_copy(o) for o in getattr(fused_opt, "chained_optimizers", None) or [fused_opt])
 print("adam kernel ok")
 """
 

@@ -14,6 +14,10 @@ each tensor's own step count (incremented here as torch does), the gradient divi
 ``grad_scale`` (learner/folded_step.py puts the token mean and the clip there). The optimizer state
 stays torch's (the same tensors), so checkpoints and ``load_state_dict`` see no difference.
 
+Before its first use on a device the kernel is run once beside torch's fused AdamW on a small
+tensor (``agrees_with_torch``); if they differ, a warning says by how much and torch's step is
+kept, so a triton or GPU the tests never ran on cannot silently train wrong weights.
+
 Used when triton imports and the weights are on a GPU (or under Triton's interpreter); anything
 else (an optimizer that is not megatron-core's bf16 one over torch's AdamW, amsgrad, state not yet
 created on the first step, a tensor learning rate) steps the usual way. CI has no GPU: the kernel
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 import os
 from typing import Dict, List, Optional
@@ -32,6 +37,8 @@ import torch
 from torch.optim.adam import adam as functional_adam
 
 from ..models.decode_attention import triton_importable
+
+logger = logging.getLogger(__name__)
 
 # torch's functional Adam takes AdamW's decoupled decay (torch >= 2.6 or so); older: never fused here.
 _FUNCTIONAL_ADAMW = "decoupled_weight_decay" in inspect.signature(functional_adam).parameters
@@ -76,7 +83,7 @@ def step_with_copy(megatron_opt, grad_scale: Optional[torch.Tensor] = None) -> b
     if inner is None or getattr(megatron_opt, "is_stub_optimizer", False) or not _applies(megatron_opt, inner):
         return False
     first = next((p for g in inner.param_groups for p in g["params"]), None)
-    if first is None or not available(first):
+    if first is None or not available(first) or not agrees_with_torch(first.device):
         return False
     model_of: Dict[int, torch.Tensor] = {
         id(main): model
@@ -134,6 +141,42 @@ def _fused_kernels(mains: List[torch.Tensor], models: List[torch.Tensor], inner:
             float(group["eps"]),
             HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8,
         )
+
+
+@functools.lru_cache(maxsize=None)
+def agrees_with_torch(device: torch.device) -> bool:
+    """Whether the kernel, compiled for ``device``, gives torch's fused AdamW on a small tensor
+    (checked once per device: a safeguard for a triton or GPU the tests never ran on). If not, a
+    warning names the difference and the optimizer keeps torch's step."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = 3 * BLOCK + 5  # several programs and a partial last block
+    p, g, m = (torch.randn(n, generator=gen).to(device) for _ in range(3))
+    v = torch.rand(n, generator=gen).to(device)
+    step, scale = torch.tensor(3.0, device=device), torch.tensor(0.5, device=device)
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    expected = [t.clone() for t in (p, g, m, v)]
+    torch._fused_adamw_([expected[0]], [expected[1]], [expected[2]], [expected[3]], [], [step + 1], lr=group["lr"],
+                        beta1=0.9, beta2=0.999, weight_decay=0.1, eps=1e-8, amsgrad=False, maximize=False,
+                        grad_scale=scale, found_inf=None)
+    model = torch.empty(n, dtype=torch.bfloat16, device=device)
+
+    class _State:  # the optimizer-shaped view _fused_kernels reads
+        state = {}
+
+    p.grad = g
+    _State.state[p] = {"step": step, "exp_avg": m, "exp_avg_sq": v}
+    _fused_kernels([p], [model], _State, group, scale)
+    diffs = {name: float((ours - theirs).abs().max() / theirs.abs().max().clamp_min(1e-30))
+             for name, ours, theirs in (("weight", p, expected[0]), ("exp_avg", m, expected[2]),
+                                        ("exp_avg_sq", v, expected[3]))}
+    # The bf16 copy: the fp32 result rounded (to nearest on a GPU; the interpreter truncates).
+    copy_units = float(((model.float() - p).abs() / p.abs().clamp_min(1e-30)).max()) / 2 ** -7
+    if step.item() != 4.0 or max(diffs.values()) > 1e-5 or copy_units > 1.0:
+        diffs["bf16 copy, in units of 2^-7"] = copy_units
+        logger.warning("the fused AdamW + copy kernel disagrees with torch's AdamW on %s (step %s, relative "
+                       "differences %s): the optimizer keeps torch's step", device, step.item(), diffs)
+        return False
+    return True
 
 
 def triton_cdiv(a: int, b: int) -> int:
