@@ -185,11 +185,13 @@ def check_vllm(cfg: RootConfig, placement: str) -> None:
     if placement == WORLD and r.weight_transport == "file":
         raise refuse("rollout.weight_transport=file with rollout.engine=vllm", WORLD,
                      "the learners broadcast weights to vLLM's workers; use rollout.weight_transport=broadcast")
-    # vLLM serves the adapters as a LoRA of its own in every placement (max_lora_rank at most 512:
-    # rollout/vllm/adapter.py's MAX_LORA_RANKS).
-    if cfg.lora.sync == "adapters" and cfg.lora.rank > 512:
+    # vLLM serves the adapters as a LoRA of its own in every placement, of a rank it allows.
+    from .vllm.adapter import MAX_LORA_RANKS  # (no vllm import: the adapter module imports it lazily)
+
+    top = MAX_LORA_RANKS[-1]
+    if cfg.lora.sync == "adapters" and cfg.lora.rank > top:
         raise ConfigError(f"lora.rank={cfg.lora.rank} with lora.sync=adapters and rollout.engine=vllm: vLLM serves "
-                          "LoRA adapters of rank 512 at most; use lora.rank<=512 or lora.sync=merged")
+                          f"LoRA adapters of rank {top} at most; use lora.rank<={top} or lora.sync=merged")
     check_vllm_installed(r)
 
 
