@@ -10,9 +10,8 @@ unit; compiled on a GPU they must be equal.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from megatron_rl.learner import adam_kernel
+from megatron_rl.models.decode_attention import triton_available
 from triton_interpreter import run_interpreted
 
 _COMPARISON = r"""
@@ -100,6 +99,6 @@ def test_kernel_step_equals_megatrons_step_through_the_interpreter():
                     "init_model_parallel(1, 1, seed=0)\n" + _COMPARISON, "adam kernel ok")
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and adam_kernel.triton_importable()), reason="needs a GPU with triton")
+@pytest.mark.skipif(not triton_available(), reason="needs a GPU with triton")
 def test_compiled_kernel_equals_megatrons_step_on_a_gpu(megatron_world):
     exec(compile("DEVICE, EXACT = 'cuda', True\n" + _COMPARISON, "adam_kernel_comparison", "exec"), {})

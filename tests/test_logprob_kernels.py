@@ -13,6 +13,7 @@ from triton_interpreter import run_interpreted
 
 from megatron_rl.learner import logprob_kernels as lk
 from megatron_rl.learner import logprobs as lp
+from megatron_rl.models.decode_attention import triton_available
 
 
 def _statistics(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -94,7 +95,7 @@ def test_kernels_through_the_interpreter():
     run_interpreted(_INTERPRETED_CASES, "logprob kernels ok")
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and lk.triton_importable()), reason="needs a GPU with triton")
+@pytest.mark.skipif(not triton_available(), reason="needs a GPU with triton")
 def test_compiled_kernels_equal_the_chunk_functions_on_a_gpu():
     gen = torch.Generator(device="cuda").manual_seed(0)
     logits = torch.randn(300, 151936, generator=gen, device="cuda").bfloat16() * 3

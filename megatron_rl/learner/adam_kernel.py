@@ -30,13 +30,12 @@ import functools
 import inspect
 import logging
 import math
-import os
 from typing import Dict, List, Optional
 
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from ..models.decode_attention import triton_importable
+from ..models.decode_attention import triton_runs_on
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +49,7 @@ BLOCK = 4096
 def available(tensor: torch.Tensor) -> bool:
     """Whether the kernel runs for tensors like this one: on a GPU (or under Triton's
     interpreter), with triton importable."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (tensor.is_cuda or interpreted) and triton_importable()
+    return triton_runs_on(tensor)
 
 
 def _applies(megatron_opt, inner: torch.optim.Optimizer) -> bool:

@@ -20,12 +20,11 @@ Triton's interpreter in the vLLM test phase (tests/test_logprob_kernels.py) and 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Tuple
 
 import torch
 
-from ..models.decode_attention import triton_importable
+from ..models.decode_attention import triton_runs_on
 
 # Entries per block: a row of a 152k vocabulary is 38 blocks of 4,096.
 FORWARD_BLOCK = 4096
@@ -38,8 +37,7 @@ _FLOOR = -1.0e30
 def available(logits: torch.Tensor) -> bool:
     """Whether the kernels take these logits: on a GPU (or under Triton's interpreter), with
     triton importable."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    return (logits.is_cuda or interpreted) and triton_importable()
+    return triton_runs_on(logits)
 
 
 def row_statistics(logits: torch.Tensor, local_targets: torch.Tensor, in_range: torch.Tensor,

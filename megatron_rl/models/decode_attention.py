@@ -22,6 +22,7 @@ triton) and compiled on a GPU (tests/test_decode_attention.py).
 from __future__ import annotations
 
 import functools
+import os
 from typing import Tuple
 
 import torch
@@ -44,6 +45,13 @@ def triton_importable() -> bool:
     except Exception:  # noqa: BLE001 - absent or broken: torch's kernels run instead
         return False
     return True
+
+
+def triton_runs_on(tensor: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take ``tensor``: triton imports and the tensor is on a GPU, or
+    Triton's interpreter is on (TRITON_INTERPRET=1: how CI, which has no GPU, runs the kernels)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    return (tensor.is_cuda or interpreted) and triton_importable()
 
 
 def triton_available() -> bool:

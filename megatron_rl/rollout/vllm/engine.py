@@ -223,14 +223,14 @@ class VLLMEngine(RolloutEngine):
         start = time.perf_counter()
         base, adapters = _split_adapters(named_tensors)
         nbytes = 0
-        if adapters and self.lora is None:  # an adapter-only push
-            raise EngineError(_NO_LORA.format(len(adapters)))
         if base is not None and self.weight_transport == "file":
             nbytes += await self._load_through_file(base)
         elif base is not None:
             nbytes += await self._load_through_channel(base, version)
-        if adapters and self.lora is None:  # adapters after the base: the version is not set
-            raise EngineError(_NO_LORA.format(len(adapters)))
+        # Known once the base has streamed (an adapter-only push has none): the version is not set.
+        if adapters and self.lora is None:
+            raise EngineError(f"update_weights got {len(adapters)} LoRA adapter tensors but the vLLM engine was "
+                              "built without them: build it with lora= (the trainer does under lora.sync=adapters)")
         if adapters:
             nbytes += await self._load_adapters(adapters, version)
         await self._set_version(version)
@@ -444,10 +444,6 @@ class VLLMEngine(RolloutEngine):
             logger.error("%s; %d requests in flight fail", reason, len(self._in_flight))
             if self._dead is not None and not self._dead.done():
                 self._dead.set_result(None)
-
-
-_NO_LORA = ("update_weights got {} LoRA adapter tensors but the vLLM engine was built without them: build it "
-            "with lora= (the trainer does under lora.sync=adapters)")
 
 
 def _split_adapters(named_tensors: Iterable[Tuple[str, torch.Tensor]]
