@@ -51,3 +51,22 @@ def test_slices_keep_fields_and_groups_and_the_batch_travels():
         assert other.get("advantages") == batch.get("advantages") and other.groups == batch.groups
         with pytest.raises(AttributeError, match="frozen"):
             other[0].reward = 1.0
+
+
+def test_micro_batches_place_each_row_and_refuse_a_sample_without_a_prompt():
+    """Packing into micro-batches: tokens, labels (the next token) and per-token values at the
+    logits that predict each response token, padding elsewhere; a sample with no prompt token (no
+    logit predicts its first response token) gets an error naming it."""
+    from megatron_rl.learner.batch import build_micro_batches
+
+    groups = _groups()
+    batch = TrainBatch.of_groups(groups)
+    batch = batch.with_fields(advantages=[[float(i)] * len(t.response_ids) for i, t in enumerate(batch)])
+    mb, = build_micro_batches(batch, token_budget=1000, pad_id=9)
+    assert mb.tokens[2].tolist() == [1, 2, 3, 3, 3] and mb.tokens[0].tolist() == [1, 2, 3, 9, 9]
+    assert mb.labels[2].tolist() == [2, 3, 3, 3, 9] and mb.labels[0].tolist() == [2, 3, 9, 9, 9]
+    assert mb.advantages[2].tolist() == [0.0, 2.0, 2.0, 2.0, 0.0]
+    assert mb.behav_logprobs[1].tolist() == [0.0, -1.0, -1.0, 0.0, 0.0]
+    empty = Trajectory("q", 0, [], [3, 4], [-1.0, -1.0], [0, 0], "stop")
+    with pytest.raises(ValueError, match="q/0 has no prompt token"):
+        build_micro_batches([empty], token_budget=1000)
