@@ -38,4 +38,4 @@ cd "$ROOT"
 export MEGATRON_RL_REQUIRE_VLLM=1 MEGATRON_RL_REQUIRE_TRITON=1
 exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
   tests/test_vllm_world.py tests/test_vllm_agent.py tests/test_vllm_lora.py tests/test_decode_attention.py \
-  tests/test_rope_store.py tests/test_logprob_kernels.py tests/test_adam_kernel.py "$@"
+  tests/test_rope_store.py tests/test_logprob_kernels.py tests/test_adam_kernel.py tests/test_sampling_kernel.py "$@"

@@ -9,8 +9,9 @@ every tensor of at least ``MIN_ELEMENTS``; the small ones (norms, routers, biase
 bytes) stay with torch's fused AdamW and one foreach copy, which batch them into a few launches,
 where a launch per tensor would cost more host time than the GPU saves.
 
-The arithmetic is torch's fused AdamW's, in fp32: decoupled weight decay, the bias corrections from
-each tensor's own step count (incremented here as torch does), the gradient divided by
+The arithmetic is torch's fused AdamW's: fp32 elements with correctly rounded square roots and
+divisions (Triton's defaults are approximate), the bias corrections in float64 from each tensor's own
+step count (incremented here as torch does), decoupled weight decay, the gradient divided by
 ``grad_scale`` (learner/folded_step.py puts the token mean and the clip there). The optimizer state
 stays torch's (the same tensors), so checkpoints and ``load_state_dict`` see no difference.
 
@@ -135,7 +136,7 @@ def _fused_kernels(mains: List[torch.Tensor], models: List[torch.Tensor], inner:
             # Differences from 1 and products formed here in float64, as torch's kernel does: in
             # fp32, 1 - 0.999 alone is 1.3e-5 off.
             float(group["lr"]), 1.0 - float(group["lr"]) * float(group["weight_decay"]),
-            float(beta1), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), math.log2(beta1), math.log2(beta2),
+            float(beta1), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), math.log(beta1), math.log(beta2),
             float(group["eps"]),
             HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8,
         )
@@ -188,24 +189,29 @@ def _kernel():
 
     @triton.jit
     def adamw_copy_kernel(P, G, M, V, Out, Step, Scale, n, lr, decay, beta1, one_minus_beta1, beta2, one_minus_beta2,
-                          log2_beta1, log2_beta2, eps, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+                          log_beta1, log_beta2, eps, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         start = tl.program_id(0).to(tl.int64) * BLOCK
         offs = start + tl.arange(0, BLOCK)
         mask = offs < n
-        step = tl.load(Step).to(tl.float32)
-        bias_correction1 = 1.0 - tl.exp2(step * log2_beta1)
-        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp2(step * log2_beta2))
+        # The bias corrections in float64, as torch's kernel forms them: 1 - 0.999**step cancels
+        # most digits, and fp32's approximate exponential left 1e-4 of relative error in it.
+        step = tl.load(Step).to(tl.float64)
+        bias_correction1 = 1.0 - tl.exp(step * log_beta1)
+        step_size = (lr / bias_correction1).to(tl.float32)
+        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2)).to(tl.float32)
         g = tl.load(G + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         if HAS_SCALE:
-            g = g / tl.load(Scale)
+            g = tl.div_rn(g, tl.load(Scale))
         p = tl.load(P + offs, mask=mask, other=0.0, eviction_policy="evict_first")
         m = tl.load(M + offs, mask=mask, other=0.0, eviction_policy="evict_first")
         v = tl.load(V + offs, mask=mask, other=0.0, eviction_policy="evict_first")
         p = p * decay
         m = beta1 * m + one_minus_beta1 * g
         v = beta2 * v + one_minus_beta2 * g * g
-        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-        p = p - (lr / bias_correction1) * (m / denom)
+        # Correctly rounded square root and divisions (Triton's defaults are approximate), in
+        # torch's order: p - (step_size * m) / (sqrt(v) / bias_correction2_sqrt + eps).
+        denom = tl.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps
+        p = p - tl.div_rn(step_size * m, denom)
         tl.store(P + offs, p, mask=mask)
         tl.store(M + offs, m, mask=mask)
         tl.store(V + offs, v, mask=mask)

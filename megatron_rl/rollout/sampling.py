@@ -25,6 +25,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from ..compiled import CompiledOrEager
+from . import sampling_kernel
 
 # (request key, position): the stream of one row's next draw.
 Stream = Tuple[int, int]
@@ -68,7 +69,10 @@ def sample_tokens(logits: torch.Tensor, temperature: float, top_k: int = 0, top_
     """Draw one token per row of logits [b, V]; return (token ids [b], logprobs [b]). Rows with a
     stream (``streams``) draw from it, the others from ``generator``."""
     if streams is None and not _cuts_top_k(top_k, logits.shape[-1]) and top_p >= 1.0:
-        # The common case (no filter, no per-request streams): one pass of kernels on the raw logits.
+        # The common case (no filter, no per-request streams): on a GPU one Triton kernel reads
+        # the raw logits once; elsewhere one compiled pass over them and the generator's noise.
+        if sampling_kernel.available(logits):
+            return sampling_kernel.sample(logits, temperature, sampling_kernel.draw_seed(generator, logits.device))
         return draw_tempered(logits, exponential_noise(logits, generator), temperature)
     tempered = logits.float() / temperature
     logprobs_all = torch.log_softmax(tempered, dim=-1)
