@@ -484,7 +484,7 @@ def main() -> None:
         for graphs in args.graphs.split(","):
             for attention in args.decode_attention.split(","):
                 use_decode_attention(attention)
-                options = {**engine_options(cfg.rollout), "cuda_graphs": graphs == "on"}
+                options = {**engine_options(cfg), "cuda_graphs": graphs == "on"}
                 engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, **options)
                 device_memory(f"engine for batch {batch} built")
                 took, out = engine_run(engine, prompts[batch], args.new_tokens, weights, args.warmup_tokens)

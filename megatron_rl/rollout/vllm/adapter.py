@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -199,6 +200,7 @@ class VLLMAdapter:
             enable_prefix_caching=False,
             disable_log_stats=True,
             **_lora_args(lora_rank),
+            **_cpu_attention_args(self.cpu, model_dir, dtype),
         )
         self._lora_request = None  # the policy's adapters once loaded: every request then uses them
         with _child_environment(cpu_threads, gpu_ids):
@@ -350,6 +352,20 @@ def _lora_args(rank: int) -> Dict[str, object]:
     if not allowed:
         raise ValueError(f"lora.rank={rank} is above vLLM's largest max_lora_rank {MAX_LORA_RANKS[-1]}")
     return {"enable_lora": True, "max_lora_rank": allowed[0], "max_loras": 1, "max_cpu_loras": 1}
+
+
+def _cpu_attention_args(cpu: bool, model_dir: str, dtype: str) -> Dict[str, object]:
+    """On a CPU, a multi-latent-attention model (DeepSeek-V3's ``kv_lora_rank`` in config.json)
+    outside bf16/fp16 takes vLLM's reference CPU MLA backend: on a CPU with AMX tiles vLLM would
+    otherwise pick its AMX backend, which packs the weights for bf16 only and fails to load fp32."""
+    if not cpu or dtype in ("bfloat16", "bf16", "float16", "fp16", "half"):
+        return {}
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            mla = "kv_lora_rank" in json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {"attention_backend": "CPU_MLA"} if mla else {}
 
 
 def _descendants(pids: List[int]) -> List[Tuple[int, float]]:
