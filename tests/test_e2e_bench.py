@@ -29,6 +29,18 @@ def test_warm_up_rule_and_eta_orders():
     assert bench.eta_sequence([0, 4], "given") == [(0, 0), (4, 0)]
 
 
+def test_eta_ratios_per_step_and_per_trained_token():
+    """By hand: η = 4 twice as fast per step but training responses 3/4 as long is 1.5x per token."""
+    bench = _bench()
+    run = lambda eta, step_s, length, order: bench.RunResult(  # noqa: E731
+        "r", eta, [step_s] * 3, 2, 0.0, 0.0, 0.0, 0.0, 0.0, length, 0.0, 0.0, 0.0, order)
+    results = [run(0, 2.0, 200.0, 0), run(4, 1.0, 150.0, 0), run(4, 1.0, 150.0, 1), run(0, 2.0, 200.0, 1)]
+    lines = bench.eta_ratio_lines(results, [0, 4])
+    assert lines[0].startswith("r: eta=4 over eta=0 steady-state steps/hour forward 2.00x, reversed 2.00x; pooled 2.00x")
+    assert lines[1] == ("r: eta=4 over eta=0 per trained response token forward 1.50x, reversed 1.50x; pooled 1.50x "
+                        "(mean response 200.0 vs 150.0 tokens)")
+
+
 def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
     """Two fresh tiny_cpu runs (η = 0, 4) of 3 steps, response lengths drawn (median 3, p99 7),
     LoRA at rank 4: the table, the printed rule, the η ratio, the not-steady-state warning and each
@@ -43,10 +55,12 @@ def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
     assert "rollout.long_tail_median=3 rollout.long_tail_p99=7 rollout.max_new_tokens=7" in text
     assert "warm-up excluded: the first 2 steps, then each next step slower than 1.25x" in text
     assert "tiny_cpu: eta=4 over eta=0 steady-state steps/hour forward" in text
+    assert "tiny_cpu: eta=4 over eta=0 per trained response token forward" in text
     assert "NOT steady-state: 2 run(s) kept fewer than 20 measured steps" in text
     rows = [r for r in (line.split() for line in text.splitlines()) if r[:1] == ["tiny_cpu"] and r[1].isdigit()]
     assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("0", "fwd", "2", "1"), ("4", "fwd", "2", "1")]
     assert all(1.0 < float(r[15]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
+    assert all(float(r[16]) >= 0 for r in rows)  # groups returned to the queue
     assert [r[12] for r in rows] == ["0.04", "0.04"]  # sync MB: the adapters alone at every step
     assert text.count("; sync MB 0.04 0.04 0.04") == 2, text
     lines = next(tmp_path.glob("run0_*")).joinpath("metrics.jsonl").read_text().splitlines()

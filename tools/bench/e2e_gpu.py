@@ -20,9 +20,11 @@ deviation, steps/hour, mean time/train_s, time/sync_s and the megabytes each pus
 the whole model, or under LoRA with ``lora.sync=adapters`` the adapters alone), the engine's
 prefill+admit+decode seconds,
 decode buckets captured during the run (``engine/late_captures``: 0 unless the engine captured on
-its hot path), the mean response length (equal across η: equal work), GPU utilisation and peak
-memory; then η ratios, and with several recipes each one's step time over the first recipe's at
-the same η; then every gpu/ key of the last run's metrics.
+its hot path), the mean response length, the groups returned to the prompt queue over the run
+(``queue/returned_total``: too stale to train on, or failed), GPU utilisation and peak memory; then
+η ratios per step and per trained response token (equal work when the runs' lengths differ), and
+with several recipes each one's step time over the first recipe's at the same η; then every gpu/
+key of the last run's metrics.
 
 ``--long-tail``: the long-tail workload (rollout/long_tail.py): each response's length drawn from a
 log-normal of median ``--long-tail-median`` (1,024) and 99th percentile ``--long-tail-p99``
@@ -83,6 +85,9 @@ class RunResult:
     wall_s: float
     order: int = 0  # 0: in the η list's order, 1: reversed
     all_steps: List[float] = field(default_factory=list)
+    # Groups returned to the prompt queue over the whole run (queue/returned_total): found too
+    # stale to train on at η > 0, or failed. Their generated tokens were not trained on.
+    returned: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -109,7 +114,8 @@ def summarise(recipe: str, eta: int, rows: List[Dict], wall: float, min_warmup: 
                      mean(SYNC_BYTES) / 1e6, engine_s,
                      sum(r.get("engine/late_captures", 0.0) for r in rows), mean("response/length_mean"),
                      mean("gpu/util_percent"),
-                     max(r.get("gpu/0/mem_peak_gib", 0.0) for r in rows), wall, order, times)
+                     max(r.get("gpu/0/mem_peak_gib", 0.0) for r in rows), wall, order, times,
+                     rows[-1].get("queue/returned_total", 0.0) if rows else 0.0)
 
 
 def eta_sequence(etas: Sequence[int], order: str) -> List[Tuple[int, int]]:
@@ -120,21 +126,31 @@ def eta_sequence(etas: Sequence[int], order: str) -> List[Tuple[int, int]]:
 
 def eta_ratio_lines(results: Sequence[RunResult], etas: Sequence[int]) -> List[str]:
     """Per recipe: steps/hour of each later η over the first η, in each order and pooled (the mean
-    step time over both orders' measured steps)."""
+    step time over both orders' measured steps); then the same per trained response token (steps/hour
+    times the mean response length), which counts equal work when the η runs trained responses of
+    different lengths (e.g. long ones still in flight at the end, or returned as too stale)."""
     lines = []
     for recipe in dict.fromkeys(r.recipe for r in results):
         runs = [r for r in results if r.recipe == recipe]
         for eta in etas[1:]:
-            parts = []
+            steps, tokens = [], []
             for order, name in ((0, "forward"), (1, "reversed")):
                 base = [r for r in runs if r.eta == etas[0] and r.order == order]
                 other = [r for r in runs if r.eta == eta and r.order == order]
                 if base and other:
-                    parts.append(f"{name} {base[0].step_s / other[0].step_s:.2f}x")
+                    ratio = base[0].step_s / other[0].step_s
+                    steps.append(f"{name} {ratio:.2f}x")
+                    if base[0].response_len > 0:
+                        tokens.append(f"{name} {ratio * other[0].response_len / base[0].response_len:.2f}x")
             pooled = lambda e: statistics.mean(s for r in runs if r.eta == e for s in r.steps)  # noqa: E731
-            lines.append(f"{recipe}: eta={eta} over eta={etas[0]} steady-state steps/hour {', '.join(parts)}; "
+            length = lambda e: statistics.mean(r.response_len for r in runs if r.eta == e)  # noqa: E731
+            lines.append(f"{recipe}: eta={eta} over eta={etas[0]} steady-state steps/hour {', '.join(steps)}; "
                          f"pooled {pooled(etas[0]) / pooled(eta):.2f}x "
                          f"({pooled(etas[0]):.3f} vs {pooled(eta):.3f} s/step)")
+            if tokens:
+                lines.append(f"{recipe}: eta={eta} over eta={etas[0]} per trained response token {', '.join(tokens)}; "
+                             f"pooled {pooled(etas[0]) / pooled(eta) * length(eta) / length(etas[0]):.2f}x "
+                             f"(mean response {length(etas[0]):.1f} vs {length(eta):.1f} tokens)")
     return lines
 
 
@@ -162,12 +178,13 @@ def table(results: Sequence[RunResult]) -> List[str]:
     lines = [f"{'recipe':<{width}} {'eta':>4} {'order':>5} {'warm':>4} {'meas':>4} {'s/step':>7} {'min':>6} "
              f"{'max':>6} {'std':>6} {'steps/h':>8} {'train s':>8} {'sync s':>7} {'sync MB':>8} {'engine s':>9} "
              f"{'late capt':>9} "
-             f"{'resp len':>8} {'GPU util%':>9} {'peak GiB':>8}"]
+             f"{'resp len':>8} {'returned':>8} {'GPU util%':>9} {'peak GiB':>8}"]
     for r in results:
         lines.append(f"{r.recipe:<{width}} {r.eta:>4} {'fwd' if r.order == 0 else 'rev':>5} {r.warmup:>4} "
                      f"{len(r.steps):>4} {r.step_s:>7.3f} {min(r.steps):>6.3f} {max(r.steps):>6.3f} {r.std_s:>6.3f} "
                      f"{r.per_hour:>8.0f} {r.train_s:>8.2f} {r.sync_s:>7.3f} {r.sync_mb:>8.2f} {r.engine_s:>9.2f} "
-                     f"{r.late_captures:>9.0f} {r.response_len:>8.1f} {r.util:>9.1f} {r.peak_gib:>8.1f}")
+                     f"{r.late_captures:>9.0f} {r.response_len:>8.1f} {r.returned:>8.0f} {r.util:>9.1f} "
+                     f"{r.peak_gib:>8.1f}")
     return lines
 
 
