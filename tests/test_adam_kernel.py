@@ -66,11 +66,13 @@ for clip in (0.0, 1e-3):
         parts = lambda opt: getattr(opt, "chained_optimizers", None) or [opt]
         main = lambda opt: [p for o in parts(opt) for g in o.optimizer.param_groups for p in g["params"]]
         for i, (a, b) in enumerate(zip(main(fused_opt), main(plain_opt))):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7, msg=lambda m: f"weight {i}, step {step}: {m}")
-        states = lambda opt: [s[k] for o in parts(opt) for s in o.optimizer.state.values()
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7,
+                                       msg=lambda m: f"clip {clip}, step {step}, weight {i} {tuple(a.shape)}: {m}")
+        states = lambda opt: [(i, k, s[k]) for o in parts(opt) for i, s in enumerate(o.optimizer.state.values())
                               for k in ("exp_avg", "exp_avg_sq", "step")]
-        for i, (a, b) in enumerate(zip(states(fused_opt), states(plain_opt))):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6 * float(b.abs().max()), msg=lambda m: f"state {i}, step {step}: {m}")
+        for (i, key, a), (_, _, b) in zip(states(fused_opt), states(plain_opt)):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6 * float(b.abs().max()),
+                                       msg=lambda m: f"clip {clip}, step {step}, {key} of weight {i} {tuple(a.shape)}: {m}")
         # The bf16 weights are the fp32 main weights rounded (one bf16 unit apart at most).
         models = [p for o in parts(fused_opt) for g in o.float16_groups for p in g]
         assert len(models) == len(main(fused_opt))
