@@ -23,10 +23,10 @@ def seed(value):
 
 
 def check_logprobs(dtype):
-    # 3 rows over 5,000 entries: a full block and a ragged one.
+    # 3 rows over 5,000 entries in chunks of 4,096: a full chunk and a ragged one.
     torch.manual_seed(0)
     logits = (3 * torch.randn(3, 5000)).to(dtype).to(DEVICE)
-    tokens, logprobs = sampling_kernel.sample(logits, 0.7, seed(11))
+    tokens, logprobs = sampling_kernel.sample(logits, 0.7, seed(11), chunk=4096, quarter=256)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert bool(((tokens >= 0) & (tokens < 5000)).all()), tokens
     reference = torch.log_softmax(logits.double() / 0.7, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
@@ -35,34 +35,34 @@ def check_logprobs(dtype):
 
 
 def check_distribution():
-    # ROWS rows of the same 7 logits, in blocks of 4 (so each row's draw spans two blocks): the
-    # counts of the drawn ids against softmax(x / T) by a chi-square test (6 degrees of freedom;
-    # 22.46 is its 0.1 % tail). A kernel that drops the temperature (expected chi-square ~180 at
-    # 600 rows), flips the noise's sign, keeps one block's winner or reuses one row's noise for
-    # all rows fails it.
+    # ROWS rows of the same 7 logits, in chunks of 4 entries (so each row's draw spans two programs
+    # and the combine) and quarters of 1: the counts of the drawn ids against softmax(x / T) by a
+    # chi-square test (6 degrees of freedom; 22.46 is its 0.1 % tail). A kernel that drops the
+    # temperature (expected chi-square ~120 at 400 rows), flips the noise's sign, keeps one
+    # chunk's winner or reuses one row's noise for all rows fails it.
     rows, temperature = ROWS, 3.0
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -0.5])
     logits = row.repeat(rows, 1).to(DEVICE)
-    tokens, _ = sampling_kernel.sample(logits, temperature, seed(2024), block=4)
+    tokens, _ = sampling_kernel.sample(logits, temperature, seed(2024), chunk=4, quarter=1)
     counts = torch.bincount(tokens.cpu(), minlength=7).double()
     expected = rows * torch.softmax(row.double() / temperature, dim=0)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 22.46, (chi2, counts.tolist(), expected.tolist())
-    # The same seed draws the same tokens, whatever the block; another seed others.
-    again, _ = sampling_kernel.sample(logits[:50], temperature, seed(2024), block=8)
+    # The same seed draws the same tokens, whatever the chunk; another seed others.
+    again, _ = sampling_kernel.sample(logits[:50], temperature, seed(2024), chunk=8, quarter=1)
     assert torch.equal(again, tokens[:50])
-    other, _ = sampling_kernel.sample(logits[:50], temperature, seed(2025), block=4)
+    other, _ = sampling_kernel.sample(logits[:50], temperature, seed(2025), chunk=4, quarter=1)
     assert not torch.equal(other, tokens[:50])
 
 
 def check_masked_entries():
-    # -inf entries are never drawn, also when the whole first block is -inf.
+    # -inf entries are never drawn, also when the whole first chunk is -inf.
     logits = torch.full((2, 5000), float("-inf"))
     logits[0, 4500], logits[0, 4700] = 1.0, 2.0
     logits[1, 10], logits[1, 4999] = 0.0, 0.0
     logits = logits.to(DEVICE)
     for value in range(8):
-        tokens, logprobs = sampling_kernel.sample(logits, 1.0, seed(value))
+        tokens, logprobs = sampling_kernel.sample(logits, 1.0, seed(value), chunk=4096, quarter=512)
         assert int(tokens[0]) in (4500, 4700) and int(tokens[1]) in (10, 4999), tokens
         reference = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         assert (logprobs.double() - reference).abs().max().item() < 1e-6
@@ -108,8 +108,8 @@ print("sampling kernel checks passed")
 
 
 def test_sampling_kernel_through_the_interpreter():
-    # Each program costs ~35 ms interpreted: 600 rows for the distribution, 20,000 compiled.
-    run_interpreted("DEVICE, ROWS = 'cpu', 600\n" + CHECKS, "sampling kernel checks passed")
+    # Each program costs tens of ms interpreted: 400 rows for the distribution, 20,000 compiled.
+    run_interpreted("DEVICE, ROWS = 'cpu', 400\n" + CHECKS, "sampling kernel checks passed")
 
 
 @pytest.mark.skipif(not triton_available(), reason="needs a GPU and triton")

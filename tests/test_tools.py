@@ -118,11 +118,12 @@ def test_engine_gpu_bench_runs_on_a_cpu():
     """The engine bench's CPU dry run at tiny_cpu's shape: the engine builds from the recipe's
     own options, generates, and the table row and the logprob gap print."""
     out = subprocess.run([sys.executable, str(TOOLS / "bench/engine_gpu.py"), "--recipe", "tiny_cpu", "--batches", "4",
-                          "--prompt-len", "8", "--new-tokens", "4", "--skip-hf", "--vocab", "64"],
+                          "--prompt-len", "8", "--new-tokens", "4", "--skip-hf", "--vocab", "64",
+                          "--sampler", "fused,torch"],
                          capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:3] == ["4", "8", "4"]]
-    assert rows and float(rows[-1][4]) > 0, out.stdout
+    assert {row[3] for row in rows} == {"on/triton", "on/triton/torch"} and float(rows[-1][4]) > 0, out.stdout
     assert "logprob gap" in out.stdout and "max 0.000" in out.stdout, out.stdout
 
 

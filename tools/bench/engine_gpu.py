@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import re
 import statistics
@@ -422,6 +423,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile the decode step at each batch")
     parser.add_argument("--profile-top", type=int, default=8, help="kernels listed per profiled batch")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
+    parser.add_argument("--sampler", default="fused",
+                        help="fused | torch | fused,torch: plain sampling as one Triton kernel (rollout/sampling_kernel.py, "
+                             "on a GPU) or the compiled torch path")
     args, overrides = parser.parse_known_args()
     if args.width_step:
         from megatron_rl.rollout.embedded import decode_graphs
@@ -432,6 +436,7 @@ def main() -> None:
 
     from megatron_rl.checks import load_config
     from megatron_rl.learner.parallel import init_model_parallel
+    from megatron_rl.rollout import sampling_kernel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.embedded.engine import engine_options
 
@@ -482,8 +487,9 @@ def main() -> None:
         roofline_tps = batch * args.new_tokens / roofline_seconds(m, vocab, batch, args.prompt_len, args.new_tokens,
                                                                   dtype_bytes=dtype_bytes)
         for graphs in args.graphs.split(","):
-            for attention in args.decode_attention.split(","):
+            for attention, sampler in itertools.product(args.decode_attention.split(","), args.sampler.split(",")):
                 use_decode_attention(attention)
+                sampling_kernel.ENABLED = sampler == "fused"
                 options = {**engine_options(cfg), "cuda_graphs": graphs == "on"}
                 engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, **options)
                 device_memory(f"engine for batch {batch} built")
@@ -501,7 +507,7 @@ def main() -> None:
                 release_memory()
                 device_memory("engine shut down and freed")
                 engine_tps, step_ms = tokens / took, 1e3 * st.decode_s / max(st.decode_steps, 1)
-                variant = f"{graphs}/{attention}"
+                variant = f"{graphs}/{attention}" + ("/torch" if sampler == "torch" else "")
                 rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {variant:>15} {engine_tps:>12.0f} "
                             f"{st.prefill_s + st.admit_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} "
                             f"{engine_tps / hf_tps:>7.2f}x {engine_tps / hf_first:>7.2f}x "
