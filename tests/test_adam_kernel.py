@@ -71,8 +71,8 @@ for clip in (0.0, 1e-3):
         states = lambda opt: [(i, k, s[k]) for o in parts(opt) for i, s in enumerate(o.optimizer.state.values())
                               for k in ("exp_avg", "exp_avg_sq", "step")]
         for (i, key, a), (_, _, b) in zip(states(fused_opt), states(plain_opt)):
-            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6 * float(b.abs().max()),
-                                       msg=lambda m: f"clip {clip}, step {step}, {key} of weight {i} {tuple(a.shape)}: {m}")
+            where = f"clip {clip}, step {step}, {key} of weight {i} {tuple(a.shape)}"
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6 * float(b.abs().max()), msg=lambda m: f"{where}: {m}")
         # The bf16 weights are the fp32 main weights rounded (one bf16 unit apart at most).
         models = [p for o in parts(fused_opt) for g in o.float16_groups for p in g]
         assert len(models) == len(main(fused_opt))

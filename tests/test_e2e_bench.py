@@ -36,7 +36,8 @@ def test_eta_ratios_per_step_and_per_trained_token():
         "r", eta, [step_s] * 3, 2, 0.0, 0.0, 0.0, 0.0, 0.0, length, 0.0, 0.0, 0.0, order)
     results = [run(0, 2.0, 200.0, 0), run(4, 1.0, 150.0, 0), run(4, 1.0, 150.0, 1), run(0, 2.0, 200.0, 1)]
     lines = bench.eta_ratio_lines(results, [0, 4])
-    assert lines[0].startswith("r: eta=4 over eta=0 steady-state steps/hour forward 2.00x, reversed 2.00x; pooled 2.00x")
+    assert lines[0].startswith("r: eta=4 over eta=0 steady-state steps/hour forward 2.00x, reversed 2.00x; "
+                               "pooled 2.00x")
     assert lines[1] == ("r: eta=4 over eta=0 per trained response token forward 1.50x, reversed 1.50x; pooled 1.50x "
                         "(mean response 200.0 vs 150.0 tokens)")
 

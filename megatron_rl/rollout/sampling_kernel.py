@@ -66,11 +66,12 @@ def agrees_with_torch(device: torch.device) -> bool:
     logits = logits.to(device)
     try:
         tokens, logprobs = sample(logits, 0.8, torch.tensor([5], dtype=torch.int64, device=device))
-        expected = torch.log_softmax(logits.double() / 0.8, dim=-1).gather(-1, tokens[:, None].clamp(0, logits.size(1) - 1))
-        gap = float((logprobs.double() - expected.squeeze(-1)).abs().max())
-        drawn = logits.gather(-1, tokens[:, None].clamp(0, logits.size(1) - 1))
+        index = tokens.clamp(0, logits.size(1) - 1)[:, None]  # an id out of range is caught below
+        expected = torch.log_softmax(logits.double() / 0.8, dim=-1).gather(-1, index).squeeze(-1)
+        gap = float((logprobs.double() - expected).abs().max())
         problem = None
-        if not bool(((tokens >= 0) & (tokens < logits.size(1))).all()) or not bool(torch.isfinite(drawn).all()):
+        in_range = bool(((tokens >= 0) & (tokens < logits.size(1))).all())
+        if not in_range or not bool(torch.isfinite(logits.gather(-1, index)).all()):
             problem = f"drew an entry it must not: {tokens.tolist()}"
         elif not gap <= 1e-4:
             problem = f"logprobs off by {gap:.2e}"

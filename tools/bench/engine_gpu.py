@@ -424,8 +424,8 @@ def main() -> None:
     parser.add_argument("--profile-top", type=int, default=8, help="kernels listed per profiled batch")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
     parser.add_argument("--sampler", default="fused",
-                        help="fused | torch | fused,torch: plain sampling as one Triton kernel (rollout/sampling_kernel.py, "
-                             "on a GPU) or the compiled torch path")
+                        help="fused | torch | fused,torch: plain sampling in Triton kernels "
+                             "(rollout/sampling_kernel.py, on a GPU) or the compiled torch path")
     args, overrides = parser.parse_known_args()
     if args.width_step:
         from megatron_rl.rollout.embedded import decode_graphs
