@@ -30,6 +30,7 @@ from .rewards.user import check_user_reward
 from .rewards.verifiers import REWARDS
 from .rollout.build import ENGINES, engine_entry
 from .rollout.workflow import check_workflow, workflow_names
+from .scheduler.ledger import OVERDUE_POLICIES
 from .telemetry.trackers import check_trackers
 
 __all__ = ["ALLOWED", "ONE_PROCESS", "PLACEMENTS", "WORLD", "allowed", "load_config", "routing_replay_on", "validate",
@@ -60,6 +61,7 @@ ALLOWED: Dict[str, Union[Tuple[str, ...], Callable[[], Tuple[str, ...]]]] = {
     "data.tokenizer": ("auto", "char", "bpe", "model"),
     "reward.name": REWARDS.names,
     "sandbox.mode": ("auto", "bubblewrap", "namespaces+rlimits", "rlimits"),
+    "scheduler.overdue": OVERDUE_POLICIES,
 }
 
 

@@ -102,7 +102,7 @@ class Trainer:
         self.ledger = PromptLedger(self.prompts, StalenessManager(
             sc.max_staleness, cfg.algo.groups_per_batch, sc.max_concurrent_rollouts),
             max_ahead_groups=max_ahead_groups(sc.max_ahead_batches, cfg.algo.groups_per_batch),
-            filter_equal_rewards=cfg.algo.filter_groups)
+            filter_equal_rewards=cfg.algo.filter_groups, overdue=sc.overdue)
         self.controller = AsyncController(self.ledger, self.rollout_group, self.train_groups, self.publish,
                                           train_executor=self.learner_executor,
                                           max_filtered_batches=cfg.algo.filter_max_batches)
@@ -373,6 +373,7 @@ class Trainer:
                 "queue/buffered_groups": float(len(self.ledger.buffer)),
                 "queue/running_groups": float(self.ledger.in_flight),
                 "queue/returned_total": float(self.ledger.counts["returned"]),
+                "queue/returned_stale_total": float(self.ledger.counts["returned_stale"]),
                 "queue/filtered_total": float(self.ledger.counts["filtered"]),
                 "engine/busy_fraction": self.engine.stats.compute_s / max(now - self.started, 1e-9),
                 **self._engine_counters.since_last(self.engine.stats),

@@ -62,6 +62,7 @@ def test_the_bench_runs_on_cpu_with_the_long_tail(tmp_path):
     assert [(r[1], r[2], r[3], r[4]) for r in rows] == [("0", "fwd", "2", "1"), ("4", "fwd", "2", "1")]
     assert all(1.0 < float(r[15]) < 7.0 for r in rows)  # mean response length: drawn, not all 7
     assert all(float(r[16]) >= 0 for r in rows)  # groups returned to the queue
+    assert all(float(r[17]) >= 0 for r in rows)  # seconds a finished batch was held (overdue=wait)
     assert [r[12] for r in rows] == ["0.04", "0.04"]  # sync MB: the adapters alone at every step
     assert text.count("; sync MB 0.04 0.04 0.04") == 2, text
     lines = next(tmp_path.glob("run0_*")).joinpath("metrics.jsonl").read_text().splitlines()

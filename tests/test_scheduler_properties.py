@@ -43,6 +43,7 @@ def workloads(draw):
         fail_rate=draw(st.sampled_from([0, 0, 5, 3])),  # every k-th admission fails (0: none)
         # Groups may start generating a few versions after admission (queued in the engine).
         queue_delay=draw(st.integers(0, 1)),
+        overdue=draw(st.sampled_from(["wait", "retry"])),  # scheduler.overdue
     )
 
 
@@ -51,7 +52,7 @@ def simulate(w):
     manager = StalenessManager(w["eta"], w["batch"], w["concurrent"])
     ahead_groups = max_ahead_groups(w["ahead"], w["batch"])
     ledger = PromptLedger(_prompts(), manager, max_ahead_groups=ahead_groups,
-                          filter_equal_rewards=w["filter"])
+                          filter_equal_rewards=w["filter"], overdue=w["overdue"])
     clock, version, events, seq = 0, 0, [], itertools.count()
     training = False
     trained_staleness, consumed, filtered = [], Counter(), set()
@@ -115,6 +116,8 @@ def test_no_trained_sample_exceeds_eta_nothing_lost_no_deadlock(w):
     assert not set(waiting) & set(consumed) and not filtered & (set(waiting) | set(consumed))
     assert set(ledger.attempts) == set(waiting) | set(consumed) | filtered
     assert ledger.counts["filtered"] == len(filtered)
+    if w["overdue"] == "wait":  # the learner waited instead: no group was dropped for staleness
+        assert ledger.counts["returned_stale"] == 0, ledger.counts
 
 
 def test_eta_zero_generates_one_batch_per_version():
@@ -146,6 +149,43 @@ def test_stale_group_is_evicted_and_retried():
     assert ledger.take_batch(2) is None  # 2 - 0 > η = 1
     assert ledger.counts["returned_stale"] == 1 and list(ledger.retry_queue)[0].uid == old.prompt.uid
     assert manager.accepted == 0 and ledger.balanced()
+
+
+def test_long_group_is_waited_for_not_dropped():
+    """η = 1, one group per batch: a long group admitted at version 0 must be trained at version 1.
+    "wait" holds back a short group's batch at version 1 until the long one is done; "retry"
+    trains the newer one first and then drops the long one as too stale, the length bias of a
+    long-tailed workload."""
+    trained = {}
+    for overdue in ("wait", "retry"):
+        ledger = PromptLedger(_prompts(), StalenessManager(1, 1, 100), overdue=overdue)
+        long, short = ledger.admit(0), ledger.admit(0)
+        ledger.finish(short, _group(short, 0))
+        assert ledger.take_batch(0)[0].ticket is short  # the long one can still make version 1
+        newer = ledger.admit(1)
+        ledger.finish(newer, _group(newer, 1))
+        first = ledger.take_batch(1)
+        if overdue == "wait":
+            assert first is None and ledger.holding  # training newer now would strand the long one
+            ledger.finish(long, _group(long, 0))
+            first = ledger.take_batch(1)
+        else:
+            ledger.finish(long, _group(long, 0))
+        second = ledger.take_batch(2)
+        trained[overdue] = [g.ticket.prompt.uid for g in (first or []) + (second or [])]
+        assert ledger.balanced()
+        assert ledger.counts["returned_stale"] == (overdue == "retry")
+    assert trained == {"wait": [long.prompt.uid, newer.prompt.uid], "retry": [newer.prompt.uid]}
+
+
+def test_deadlines_schedule_earliest_first():
+    from megatron_rl.scheduler.staleness import schedulable
+
+    assert schedulable([], 5, 2)
+    assert schedulable([3, 3, 4, 4], 3, 2)       # two batches: 3 then 4
+    assert not schedulable([3, 3, 3], 3, 2)      # three groups due at version 3, two per batch
+    assert not schedulable([4, 2], 3, 2)         # one is overdue already
+    assert schedulable([9, 4, 4, 5, 5, 9], 4, 2)  # order does not matter
 
 
 async def _publish_nothing(version):

@@ -296,6 +296,12 @@ class SchedulerConfig:
     # that part of a batch more in flight (1.5: half a batch), so the learner takes a batch when
     # B groups are done instead of waiting for the slowest. 0: no limit but η; else >= 1.
     max_ahead_batches: float = 2
+    # A group that would be trained staler than η (a long response still generating while newer
+    # groups finish): wait: the learner waits for it (time/learner_held_s), so every response
+    # length is trained as often as it is generated; retry: it is dropped and its prompt retried
+    # (queue/returned_stale_total), the learner never waits, but a long-tailed workload then
+    # trains its long responses less (a length bias) and wastes their generation.
+    overdue: str = "wait"
 
 
 @dataclass

@@ -56,6 +56,9 @@ class AsyncController:
         self._tasks: set = set()
         self._stopped: Optional[RolloutsStopped] = None
         self.learner_wait_s = 0.0
+        # Of the last step's wait, the seconds its batch was finished but held back for an older
+        # running group (scheduler.overdue=wait): what the strict staleness bound costs.
+        self.held_s = 0.0
 
     async def run(self, steps: int, on_step: StepFn, first_step: int = 1) -> None:
         """Train steps ``first_step`` .. ``steps`` (a resumed run starts past 1). ``on_step`` runs
@@ -79,7 +82,8 @@ class AsyncController:
                 await self.publish(self.version + 1)
                 metrics["time/sync_s"] = time.perf_counter() - start
                 self.version += 1
-                metrics.update({"time/train_s": train_s, "time/learner_wait_s": waited})
+                metrics.update({"time/train_s": train_s, "time/learner_wait_s": waited,
+                                "time/learner_held_s": self.held_s})
                 await on_step(step, metrics, batch)
                 await self._notify()
         finally:
@@ -96,6 +100,7 @@ class AsyncController:
             self._changed.notify_all()
 
     async def _next_batch(self) -> List[FinishedGroup]:
+        self.held_s = 0.0
         async with self._changed:
             while True:
                 if self._stopped is not None:
@@ -103,7 +108,10 @@ class AsyncController:
                 batch = self.ledger.take_batch(self.version)
                 if batch is not None:
                     return batch
+                held_since = time.perf_counter() if self.ledger.holding else None
                 await self._changed.wait()
+                if held_since is not None:
+                    self.held_s += time.perf_counter() - held_since
 
     async def _produce(self) -> None:
         while self._stopped is None:

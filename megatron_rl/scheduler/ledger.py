@@ -14,7 +14,15 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Sequence
 
 from ..data.datasets import Prompt
 from ..types import Trajectory
-from .staleness import StalenessManager
+from .staleness import StalenessManager, schedulable
+
+# What happens to a group that would be trained staler than η (``scheduler.overdue``):
+# "wait": the learner waits for it, so no group is ever dropped for staleness and long responses
+#   are trained as often as short ones;
+# "retry": the group is dropped when its batch is formed and its prompt retried. The learner never
+#   waits, but the groups dropped are those with the longest responses, so a long-tailed workload
+#   trains shorter responses than it generates (a length bias) and wastes their generation.
+OVERDUE_POLICIES = ("wait", "retry")
 
 
 @dataclass
@@ -72,6 +80,15 @@ class PromptLedger:
     filter_equal_rewards: bool = False
     # Groups filtered since the last batch was taken (a run where every group is filtered is stuck).
     filtered_streak: int = 0
+    # scheduler.overdue: one of OVERDUE_POLICIES.
+    overdue: str = "wait"
+    # The last take_batch had a batch's worth of finished groups but held it back, waiting for a
+    # running group that would otherwise be trained staler than η.
+    holding: bool = False
+
+    def __post_init__(self) -> None:
+        if self.overdue not in OVERDUE_POLICIES:
+            raise ValueError(f"overdue={self.overdue!r}: choose one of {', '.join(OVERDUE_POLICIES)}")
 
     # -------------------------------------------------------------- admission
     def can_admit(self, version: int) -> bool:
@@ -120,9 +137,12 @@ class PromptLedger:
         self.counts[f"returned_{reason}"] += 1
 
     def take_batch(self, version: int) -> Optional[List[FinishedGroup]]:
-        """B finished groups, oldest admissions first, none staler than η at ``version``.
+        """B finished groups to train at ``version``, earliest deadline first (a group's deadline:
+        its oldest token's version + η), none staler than η.
 
-        Groups already too stale are evicted and their prompts retried.
+        Groups already too stale are evicted and their prompts retried. With ``overdue="wait"``
+        none ever is: a batch is held back (None) while taking it would leave some running group
+        unable to be trained in time, and is taken once that group has finished.
         """
         limit = self.staleness.max_staleness
         fresh = []
@@ -135,14 +155,28 @@ class PromptLedger:
             else:
                 fresh.append(group)
         self.buffer = fresh
+        self.holding = False
         size = self.staleness.groups_per_batch
         if len(self.buffer) < size:
             return None
-        self.buffer.sort(key=lambda g: g.ticket.index)
-        batch, self.buffer = self.buffer[:size], self.buffer[size:]
+        self.buffer.sort(key=lambda g: (g.oldest_version, g.ticket.index))
+        batch, rest = self.buffer[:size], self.buffer[size:]
+        if self.overdue == "wait" and self.running and not self._in_time(rest, version + 1):
+            self.holding = True
+            return None
+        self.buffer = rest
         self.counts["consumed"] += size
         self.filtered_streak = 0
         return batch
+
+    def _in_time(self, buffered: List[FinishedGroup], next_version: int) -> bool:
+        """Whether ``buffered`` and every running group can still be trained within η from
+        ``next_version`` on. A running group's oldest token is not known here; its admission
+        version bounds it from below (nothing admitted starts on older weights)."""
+        limit = self.staleness.max_staleness
+        deadlines = [g.oldest_version + limit for g in buffered]
+        deadlines += [t.version + limit for t in self.running.values()]
+        return schedulable(deadlines, next_version, self.staleness.groups_per_batch)
 
     def _release(self, ticket: Ticket) -> None:
         if self.running.pop(ticket.index, None) is None:

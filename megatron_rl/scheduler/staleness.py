@@ -12,6 +12,7 @@ exactly one batch is generated per version: plain synchronous on-policy RL.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 
 @dataclass
@@ -46,3 +47,14 @@ class StalenessManager:
     def on_evict(self) -> None:
         """An accepted group was found too stale to train on; its prompt goes back to the queue."""
         self.accepted -= 1
+
+
+def schedulable(deadlines: Iterable[int], next_version: int, groups_per_batch: int) -> bool:
+    """Whether groups with these ``deadlines`` (the last policy version each may be trained at,
+    its oldest token's version + η) can all be trained in time: ``groups_per_batch`` per batch from
+    version ``next_version`` on, earliest deadline first. Earliest-deadline-first is optimal for
+    unit jobs like these, so False means no order of batches can keep every one of them."""
+    for i, deadline in enumerate(sorted(deadlines)):
+        if deadline < next_version + i // groups_per_batch:
+            return False
+    return True

@@ -21,7 +21,9 @@ the whole model, or under LoRA with ``lora.sync=adapters`` the adapters alone), 
 prefill+admit+decode seconds,
 decode buckets captured during the run (``engine/late_captures``: 0 unless the engine captured on
 its hot path), the mean response length, the groups returned to the prompt queue over the run
-(``queue/returned_total``: too stale to train on, or failed), GPU utilisation and peak memory; then
+(``queue/returned_total``: failed, or too stale to train on under ``scheduler.overdue=retry``), the
+mean seconds a step's finished batch was held back for an older running group
+(``time/learner_held_s``, ``scheduler.overdue=wait``), GPU utilisation and peak memory; then
 η ratios per step and per trained response token (equal work when the runs' lengths differ), and
 with several recipes each one's step time over the first recipe's at the same η; then every gpu/
 key of the last run's metrics.
@@ -85,9 +87,12 @@ class RunResult:
     wall_s: float
     order: int = 0  # 0: in the η list's order, 1: reversed
     all_steps: List[float] = field(default_factory=list)
-    # Groups returned to the prompt queue over the whole run (queue/returned_total): found too
-    # stale to train on at η > 0, or failed. Their generated tokens were not trained on.
+    # Groups returned to the prompt queue over the whole run (queue/returned_total): failed, or
+    # found too stale to train on (scheduler.overdue=retry). Their generated tokens were not trained on.
     returned: float = 0.0
+    # Mean seconds per measured step that a finished batch waited for an older running group
+    # (time/learner_held_s, scheduler.overdue=wait): the strict staleness bound's cost.
+    held_s: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -115,7 +120,7 @@ def summarise(recipe: str, eta: int, rows: List[Dict], wall: float, min_warmup: 
                      sum(r.get("engine/late_captures", 0.0) for r in rows), mean("response/length_mean"),
                      mean("gpu/util_percent"),
                      max(r.get("gpu/0/mem_peak_gib", 0.0) for r in rows), wall, order, times,
-                     rows[-1].get("queue/returned_total", 0.0) if rows else 0.0)
+                     rows[-1].get("queue/returned_total", 0.0) if rows else 0.0, mean("time/learner_held_s"))
 
 
 def eta_sequence(etas: Sequence[int], order: str) -> List[Tuple[int, int]]:
@@ -178,12 +183,12 @@ def table(results: Sequence[RunResult]) -> List[str]:
     lines = [f"{'recipe':<{width}} {'eta':>4} {'order':>5} {'warm':>4} {'meas':>4} {'s/step':>7} {'min':>6} "
              f"{'max':>6} {'std':>6} {'steps/h':>8} {'train s':>8} {'sync s':>7} {'sync MB':>8} {'engine s':>9} "
              f"{'late capt':>9} "
-             f"{'resp len':>8} {'returned':>8} {'GPU util%':>9} {'peak GiB':>8}"]
+             f"{'resp len':>8} {'returned':>8} {'held s':>6} {'GPU util%':>9} {'peak GiB':>8}"]
     for r in results:
         lines.append(f"{r.recipe:<{width}} {r.eta:>4} {'fwd' if r.order == 0 else 'rev':>5} {r.warmup:>4} "
                      f"{len(r.steps):>4} {r.step_s:>7.3f} {min(r.steps):>6.3f} {max(r.steps):>6.3f} {r.std_s:>6.3f} "
                      f"{r.per_hour:>8.0f} {r.train_s:>8.2f} {r.sync_s:>7.3f} {r.sync_mb:>8.2f} {r.engine_s:>9.2f} "
-                     f"{r.late_captures:>9.0f} {r.response_len:>8.1f} {r.returned:>8.0f} {r.util:>9.1f} "
+                     f"{r.late_captures:>9.0f} {r.response_len:>8.1f} {r.returned:>8.0f} {r.held_s:>6.2f} {r.util:>9.1f} "
                      f"{r.peak_gib:>8.1f}")
     return lines
 
