@@ -68,8 +68,9 @@ def test_async_vs_sync_bench_prints_its_table():
          "--eta", "1", "--repeats", "2", "algo.groups_per_batch=2", "algo.group_size=4", "learner.mini_batches=1"],
         capture_output=True, text=True, timeout=600, cwd=root)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split()[0] for line in out.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
-    assert rows == ["0", "1", "0", "1"]
+    table = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["0"], ["1"])]
+    assert [row[0] for row in table] == ["0", "1", "0", "1"]
+    assert all(len(row) == 13 and float(row[-2]) >= 0 and row[-1] == "0" for row in table)  # held s, stale drops
     assert "speed-up" in out.stdout and "(runs: " in out.stdout and "overlap ceiling" in out.stdout
     assert "speed-up at equal reward" in out.stdout
 

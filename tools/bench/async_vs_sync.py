@@ -8,7 +8,9 @@ Runs `python -m megatron_rl.main` once per η (fresh processes, same seed, one a
 they do not share cores) and prints, for each: its wall time (the η > 0 run's includes the extra
 steps below), the seconds of its first N steps, the final reward (mean of steps N-19..N, with its
 standard error), the mean and the mean per-batch longest response length,
-the mean staleness of trained samples, and how busy the engine was. The default workload,
+the mean staleness of trained samples, how busy the engine was, the seconds per step a finished
+batch was held for an older running group (``time/learner_held_s``, ``scheduler.overdue=wait``)
+and the groups dropped as too stale (``queue/returned_stale_total``, ``scheduler.overdue=retry``). The default workload,
 recipes/longtail_cpu.yaml, has long-tailed response lengths. Extra arguments are config overrides
 applied to both runs.
 
@@ -81,6 +83,8 @@ def run(recipe: str, steps: int, eta: int, overrides, root: Path, repeat: int = 
         "longest": float(np.mean([r["response/length_max"] for r in rows])),
         "staleness": float(np.mean([r["staleness/mean"] for r in rows])),
         "busy": rows[-1]["engine/busy_fraction"],
+        "held_s": float(np.mean([r.get("time/learner_held_s", 0.0) for r in steady])),
+        "stale_drops": rows[-1].get("queue/returned_stale_total", 0.0),
     }
 
 
@@ -105,7 +109,8 @@ def main() -> None:
                  for k in range(args.repeats)]
     print(f"recipe={args.recipe} steps={args.steps} ranks={args.ranks} {' '.join(overrides)}")
     print(f"{'eta':>4} {'wall s':>8} {'steps s':>8} {'final reward':>15} {'to R0 s':>8} {'resp len':>9} "
-          f"{'longest':>8} {'staleness':>10} {'engine busy':>12} {'gen s/step':>11} {'train s/step':>13}")
+          f"{'longest':>8} {'staleness':>10} {'engine busy':>12} {'gen s/step':>11} {'train s/step':>13} "
+          f"{'held s/step':>12} {'stale drops':>12}")
     ratios, matched, ceilings = [], [], []
     for sync, other in pairs:
         target = sync["final_reward"]  # R0: what eta=0 reached in --steps steps
@@ -114,7 +119,7 @@ def main() -> None:
             print(f"{r['eta']:>4} {r['wall_s']:>8.1f} {r['steps_s']:>8.1f} {reward:>15} "
                   f"{time_to_reward(r['rows'], target):>8.1f} "
                   f"{r['length']:>9.1f} {r['longest']:>8.1f} {r['staleness']:>10.2f} {r['busy']:>12.2f} "
-                  f"{r['generate_s']:>11.3f} {r['train_s']:>13.3f}")
+                  f"{r['generate_s']:>11.3f} {r['train_s']:>13.3f} {r['held_s']:>12.3f} {r['stale_drops']:>12.0f}")
         ratios.append(sync["steps_s"] / other["steps_s"])
         matched.append(time_to_reward(sync["rows"], target) / time_to_reward(other["rows"], target))
         ceilings.append((sync["generate_s"] + sync["train_s"]) / max(other["generate_s"], other["train_s"], 1e-9))
