@@ -257,3 +257,46 @@ def test_the_static_step_never_waits_for_the_host(megatron_world, family):
         x = torch.arange(4.0)
         x[x > 1], x.sum().item(), x.tolist()
     assert check.seen == ["boolean index", "item", "tolist"], check.seen
+
+
+class _Calls(torch.overrides.TorchFunctionMode):
+    """Counts calls of one torch function."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name, self.count = name, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") == self.name
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family, halves_per_layer", [("qwen2", 2), ("mixtral", 1)])
+def test_engine_adds_the_residual_in_the_matmul(megatron_world, monkeypatch, family, halves_per_layer):
+    """The engine's attention output projection (and a dense MLP's down projection) adds the
+    layer's residual in its matmul (models/residual_in_matmul.py): the same tokens and logprobs as
+    a model whose layers add it on their own, through prefills, decodes, admissions and a sliding
+    window; a mixture-of-experts layer folds its attention half only."""
+    import megatron_rl.models.gpt as gpt
+    from megatron_rl.models.residual_in_matmul import residual_in_matmul_without_grad
+
+    folded = _model(family)
+    monkeypatch.setattr(gpt, "residual_in_matmul_without_grad", lambda model: 0)
+    plain = _model(family)
+    layers = len(plain.decoder.layers)
+    runs = {}
+    for name, model in (("folded", folded), ("plain", plain)):
+        with _Calls("addmm") as calls:
+            runs[name] = _script(model, static=False)
+        runs[name] += (calls.count,)
+    tokens, logprobs, _, addmms = runs["folded"]
+    assert addmms > 0 and addmms % (halves_per_layer * layers) == 0 and runs["plain"][3] == 0
+    assert tokens == runs["plain"][0]
+    torch.testing.assert_close(logprobs, runs["plain"][1], atol=1e-5, rtol=0)
+    # With autograd on, the layers' own functions run (a training forward is never changed).
+    x = torch.randn(3, 2, plain.config.hidden_size)
+    assert residual_in_matmul_without_grad(plain) == halves_per_layer * layers
+    mlp_or_attention = plain.decoder.layers[0].self_attention.linear_proj
+    with _Calls("addmm") as calls:
+        mlp_or_attention(x)
+    assert calls.count == 0

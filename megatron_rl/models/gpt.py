@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from ..config.schema import ModelConfig
 from .cpu_patches import apply_cpu_patches, cuda_available
 from .families import get_family
+from .residual_in_matmul import residual_in_matmul_without_grad
 from .rope import use_llama3_rope
 from .thread_safety import make_thread_safe
 
@@ -234,6 +235,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     norms_in_model_dtype(model, config.params_dtype)
     if kv_attention:
         bias_in_matmul_without_grad(model)
+        residual_in_matmul_without_grad(model)
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
     if cuda_available():
