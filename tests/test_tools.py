@@ -117,13 +117,15 @@ def test_engine_decode_bench_prints_both_attentions():
 
 def test_engine_gpu_bench_runs_on_a_cpu():
     """The engine bench's CPU dry run at tiny_cpu's shape: the engine builds from the recipe's
-    own options, generates, and the table row and the logprob gap print."""
+    own options, generates, profiles (no kernels to list on a CPU), and the table row and the
+    logprob gap print."""
     out = subprocess.run([sys.executable, str(TOOLS / "bench/engine_gpu.py"), "--recipe", "tiny_cpu", "--batches", "4",
-                          "--prompt-len", "8", "--new-tokens", "4", "--skip-hf", "--vocab", "64",
-                          "--sampler", "fused,torch"],
+                          "--prompt-len", "8", "--new-tokens", "12", "--skip-hf", "--vocab", "64",
+                          "--sampler", "fused,torch", "--profile"],
                          capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:3] == ["4", "8", "4"]]
+    assert "decode step at 4 rows by kind of kernel:" in out.stdout, out.stdout
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:3] == ["4", "8", "12"]]
     assert {row[3] for row in rows} == {"on/triton", "on/triton/torch"} and float(rows[-1][4]) > 0, out.stdout
     assert "logprob gap" in out.stdout and "max 0.000" in out.stdout, out.stdout
 
@@ -317,3 +319,29 @@ def test_engine_gpu_bench_moe_decode_bound_by_hand():
     assert bound.seconds == pytest.approx((experts + other + kv) / 4.3e12)  # ~17.8 ms
     one = moe_decode_bound(m, 151936, 1, 512, 256)
     assert one.experts_per_layer == pytest.approx(8.0)
+
+
+def test_engine_gpu_bench_sorts_kernels_by_kind():
+    """The profile's table by kind of kernel, from kernel names as an H200 profile gives them."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from engine_gpu import kernel_kind, kinds_table
+
+    kinds = {
+        "attention_split_kernel": "attention",
+        "attention_combine_kernel": "attention",
+        "sample_chunk_kernel": "sampling",
+        "rope_store_kernel": "rotation+store",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>": "norm",
+        "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "matmul",
+        "void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>": "matmul",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "residual add",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel(at::TensorIteratorBase&)>": "activation",
+        "void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda>": "copy",
+        "Memcpy DtoH (Device -> Pinned)": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::MulFunctor<float>>": "other",
+    }
+    assert {name: kernel_kind(name) for name in kinds} == kinds
+    # Two steps: 2 matmuls of 10 us and 4 norms of 2.5 us each per step.
+    lines = kinds_table([("nvjet_a", 30.0, 2), ("nvjet_b", 10.0, 2), ("rms_norm_kernel", 20.0, 8)], steps=2)
+    assert lines[1].split() == ["matmul", "0.020", "2", "10.00", "66.7%"]
+    assert lines[2].split() == ["norm", "0.010", "4", "2.50", "33.3%"]

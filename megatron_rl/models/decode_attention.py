@@ -135,7 +135,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc,
+    def attention_split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc,
                      sqb, sqg, sqr, skb, skg, sks, svb, svg, svs, sbb,
                      G, slots, per_slice, scale,
                      R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -176,7 +176,7 @@ def _kernels():
         tl.store(PartAcc + (out * R_PAD + offs_r[:, None]) * D + offs_d[None, :], acc)
 
     @triton.jit
-    def combine_kernel(PartMax, PartSum, PartAcc, Out,
+    def attention_combine_kernel(PartMax, PartSum, PartAcc, Out,
                        R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, SLICES: tl.constexpr):
         bg = tl.program_id(0)
         offs_r = tl.arange(0, R_PAD)
@@ -198,10 +198,10 @@ def _kernels():
     class Kernels:
         @staticmethod
         def split(grid, *args, **meta):
-            split_kernel[grid](*args, **meta, num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
+            attention_split_kernel[grid](*args, **meta, num_warps=SPLIT_WARPS, num_stages=SPLIT_STAGES)
 
         @staticmethod
         def combine(grid, *args, **meta):
-            combine_kernel[grid](*args, **meta, num_warps=4)
+            attention_combine_kernel[grid](*args, **meta, num_warps=4)
 
     return Kernels

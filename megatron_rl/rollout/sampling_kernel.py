@@ -105,11 +105,11 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, chunk: 
         # Per (row, chunk): max, sum of exp(x - max), best score, its x, its id.
         partial = torch.empty(4, rows, chunks, dtype=torch.float32, device=logits.device)
         ids = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
-        chunk_kernel, combine_kernel = _kernels()
-        chunk_kernel[(rows, chunks)](logits, logits.stride(0), seed, partial, ids, vocab, chunks,
+        sample_chunk_kernel, sample_combine_kernel = _kernels()
+        sample_chunk_kernel[(rows, chunks)](logits, logits.stride(0), seed, partial, ids, vocab, chunks,
                                      1.0 / float(temperature), FLOOR=_FLOOR, CHUNK=chunk, QUARTER=quarter,
                                      num_warps=4)
-        combine_kernel[(rows,)](partial, ids, tokens, logprobs, rows, chunks,
+        sample_combine_kernel[(rows,)](partial, ids, tokens, logprobs, rows, chunks,
                                 CHUNKS=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
     return tokens, logprobs
 
@@ -118,4 +118,4 @@ def _kernels():
     """(chunk kernel, combine kernel), imported on first use: triton is optional."""
     from . import sampling_triton
 
-    return sampling_triton.chunk_kernel, sampling_triton.combine_kernel
+    return sampling_triton.sample_chunk_kernel, sampling_triton.sample_combine_kernel

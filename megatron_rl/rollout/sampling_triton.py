@@ -1,9 +1,10 @@
 """The Triton kernels of ``sampling_kernel`` (imported only where they run: triton is optional).
 
-``chunk_kernel``: one program per (row, chunk of ``CHUNK`` entries) folds its entries, four runs of
-``QUARTER`` at a time with one Philox call per lane, into a running max, a sum of exp(x - max) and
-the best Gumbel score with its x and id. ``combine_kernel``: one program per row rescales its
-chunks' sums to the row's max and picks the best score's token and logprob.
+``sample_chunk_kernel``: one program per (row, chunk of ``CHUNK`` entries) folds its entries, four
+runs of ``QUARTER`` at a time with one Philox call per lane, into a running max, a sum of
+exp(x - max) and the best Gumbel score with its x and id. ``sample_combine_kernel``: one program
+per row rescales its chunks' sums to the row's max and picks the best score's token and logprob.
+(Kernel names say what they do: a profile lists them by name beside attention's.)
 """
 
 import triton
@@ -30,7 +31,7 @@ def fold_quarter(Base, first, lanes, vocab, inv_temperature, bits, m, s, best, b
 
 
 @triton.jit
-def chunk_kernel(Logits, stride_row, Seed, Partial, Ids, vocab, chunks, inv_temperature,
+def sample_chunk_kernel(Logits, stride_row, Seed, Partial, Ids, vocab, chunks, inv_temperature,
                  FLOOR: tl.constexpr, CHUNK: tl.constexpr, QUARTER: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -63,7 +64,7 @@ def chunk_kernel(Logits, stride_row, Seed, Partial, Ids, vocab, chunks, inv_temp
 
 
 @triton.jit
-def combine_kernel(Partial, Ids, Tokens, Logprobs, rows, chunks, CHUNKS: tl.constexpr):
+def sample_combine_kernel(Partial, Ids, Tokens, Logprobs, rows, chunks, CHUNKS: tl.constexpr):
     row = tl.program_id(0)
     lanes = tl.arange(0, CHUNKS)
     inside = lanes < chunks

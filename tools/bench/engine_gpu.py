@@ -19,7 +19,9 @@ batch, each after a short warm-up call; each call's rate is listed below the tab
 it and, ``vs 1st``, to the first call's rate (what one call of ``generate`` per run gives; the
 second has run 1.4–3.4× faster here); then the roofline (``roofline_seconds``: the chip's
 datasheet peaks, no kernel can beat it) and the engine's share of it. ``--profile``: the
-prefill's and the decode step's kernel time and heaviest kernels, per batch.
+prefill's and the decode step's kernel time and heaviest kernels, per batch, and the decode step's
+kernels by kind (``kernel_kind``: matmul, attention, norm, residual add, activation, rotation
+and cache store, sampling, copy, other) with launches and microseconds per launch.
 ``--decode-attention``: the decode step's attention kernel(s);
 ``--width-step``: the graphs' attention-width bucket; ``--warmup-tokens``: the warm-up's length
 (as long as the run: every graph the run needs is captured before it is timed).
@@ -268,6 +270,44 @@ def use_decode_attention(name: str) -> None:
     torch.backends.cuda.enable_cudnn_sdp(name != "efficient")
 
 
+# A kernel's kind from its name, first match wins (names seen in an H200 profile: cuBLAS's nvjet /
+# xmma / cutlass GEMMs and its split-K reduction, torch's element-wise functors, our Triton kernels).
+KERNEL_KINDS = (
+    ("attention", r"attention_(split|combine)_kernel|flash|fmha|cudnn|efficient_attention"),
+    ("sampling", r"sample_(chunk|combine)_kernel|exponential|argmax|log_?softmax|logsumexp"),
+    ("rotation+store", r"rope_store_kernel|rotary|rope"),
+    ("norm", r"rms_norm|layer_norm|RowwiseMoments"),
+    ("matmul", r"gemm|nvjet|xmma|cutlass|splitKreduce|cublas"),
+    ("activation", r"silu|swiglu|glu|gelu"),
+    ("residual add", r"CUDAFunctor_add|AddFunctor|add_kernel"),
+    ("copy", r"copy|Memcpy|memcpy|cat_|CatArray"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """Which kind of work a GPU kernel named ``name`` does (KERNEL_KINDS; "other" if none)."""
+    for kind, pattern in KERNEL_KINDS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return kind
+    return "other"
+
+
+def kinds_table(kernels: Sequence[Tuple[str, float, int]], steps: int) -> List[str]:
+    """Per kind of kernel, from (name, microseconds in all, launches in all) over ``steps`` steps:
+    milliseconds and launches per step, microseconds per launch, share of the step's kernel time."""
+    totals: Dict[str, List[float]] = {}
+    for name, micros, count in kernels:
+        entry = totals.setdefault(kernel_kind(name), [0.0, 0])
+        entry[0] += micros
+        entry[1] += count
+    step_us = sum(us for us, _ in totals.values()) or 1.0
+    lines = [f"    {'kind':<15} {'ms/step':>8} {'launches':>8} {'us/launch':>9} {'share':>6}"]
+    for kind, (micros, count) in sorted(totals.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"    {kind:<15} {micros / steps / 1e3:>8.3f} {count / steps:>8.0f} "
+                     f"{micros / max(count, 1):>9.2f} {micros / step_us:>6.1%}")
+    return lines
+
+
 def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 8) -> None:
     """Wall and kernel time of the engine's decode step (graph replay, sampling, host sync) at
     this batch, and its heaviest kernels."""
@@ -303,6 +343,9 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
           f"(graphs: {sorted(getattr(gen._static, 'graphs', {}))})")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"    {e.device_time_total / steps / 1e3:7.3f} ms/step {e.count // steps:5d}x {e.key[:110]}")
+    print(f"decode step at {len(prompts)} rows by kind of kernel:")
+    for line in kinds_table([(e.key, e.device_time_total, e.count) for e in events], steps):
+        print(line)
 
 
 def hf_run(model, prompts: List[List[int]], new_tokens: int, runs: int = 2) -> List[float]:
