@@ -293,10 +293,15 @@ def test_engine_adds_the_residual_in_the_matmul(megatron_world, monkeypatch, fam
     assert addmms > 0 and addmms % (halves_per_layer * layers) == 0 and runs["plain"][3] == 0
     assert tokens == runs["plain"][0]
     torch.testing.assert_close(logprobs, runs["plain"][1], atol=1e-5, rtol=0)
-    # With autograd on, the layers' own functions run (a training forward is never changed).
-    x = torch.randn(3, 2, plain.config.hidden_size)
+    # A norm then its projection: the residual goes into the matmul without autograd only (a
+    # training forward is never changed).
     assert residual_in_matmul_without_grad(plain) == halves_per_layer * layers
-    mlp_or_attention = plain.decoder.layers[0].self_attention.linear_proj
-    with _Calls("addmm") as calls:
-        mlp_or_attention(x)
-    assert calls.count == 0
+    layer = plain.decoder.layers[0]
+    projection = layer.self_attention.linear_proj
+    hidden = torch.randn(3, 2, plain.config.hidden_size)
+    attended = torch.randn(3, 2, projection.input_size)
+    for grad, addmms in ((True, 0), (False, 1)):
+        with torch.set_grad_enabled(grad), _Calls("addmm") as calls:
+            layer.input_layernorm(hidden)
+            projection(attended)
+        assert calls.count == addmms, grad

@@ -136,10 +136,10 @@ def _kernels():
 
     @triton.jit
     def attention_split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc,
-                     sqb, sqg, sqr, skb, skg, sks, svb, svg, svs, sbb,
-                     G, slots, per_slice, scale,
-                     R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                     SLICES: tl.constexpr):
+                               sqb, sqg, sqr, skb, skg, sks, svb, svg, svs, sbb,
+                               G, slots, per_slice, scale,
+                               R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                               SLICES: tl.constexpr):
         bg = tl.program_id(0)
         part = tl.program_id(1)
         b = bg // G
@@ -177,7 +177,7 @@ def _kernels():
 
     @triton.jit
     def attention_combine_kernel(PartMax, PartSum, PartAcc, Out,
-                       R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, SLICES: tl.constexpr):
+                                 R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, SLICES: tl.constexpr):
         bg = tl.program_id(0)
         offs_r = tl.arange(0, R_PAD)
         offs_d = tl.arange(0, D)

@@ -87,4 +87,3 @@ def residual_in_matmul_without_grad(model: torch.nn.Module) -> int:
             setattr(layer, bda, functools.partial(residual.bias_dropout_add, getattr(layer, bda)))
             changed += 1
     return changed
-

@@ -107,10 +107,10 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, chunk: 
         ids = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
         sample_chunk_kernel, sample_combine_kernel = _kernels()
         sample_chunk_kernel[(rows, chunks)](logits, logits.stride(0), seed, partial, ids, vocab, chunks,
-                                     1.0 / float(temperature), FLOOR=_FLOOR, CHUNK=chunk, QUARTER=quarter,
-                                     num_warps=4)
+                                            1.0 / float(temperature), FLOOR=_FLOOR, CHUNK=chunk, QUARTER=quarter,
+                                            num_warps=4)
         sample_combine_kernel[(rows,)](partial, ids, tokens, logprobs, rows, chunks,
-                                CHUNKS=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+                                       CHUNKS=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
     return tokens, logprobs
 
 

@@ -32,7 +32,7 @@ def fold_quarter(Base, first, lanes, vocab, inv_temperature, bits, m, s, best, b
 
 @triton.jit
 def sample_chunk_kernel(Logits, stride_row, Seed, Partial, Ids, vocab, chunks, inv_temperature,
-                 FLOOR: tl.constexpr, CHUNK: tl.constexpr, QUARTER: tl.constexpr):
+                        FLOOR: tl.constexpr, CHUNK: tl.constexpr, QUARTER: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     base = Logits + row.to(tl.int64) * stride_row
