@@ -77,6 +77,7 @@ from megatron_rl.models import decode_attention as da
 from test_decode_attention import _plain as plain
 
 torch.manual_seed(0)
+default_target = da.TARGET_PROGRAMS
 for rows, groups, per_group, slots, dim, dtype, tol in [(3, 2, 6, 200, 64, torch.float32, 5e-5),
                                                         (2, 1, 1, 130, 16, torch.float16, 2e-3),
                                                         (4, 4, 8, 70, 128, torch.float32, 5e-5),
@@ -88,10 +89,14 @@ for rows, groups, per_group, slots, dim, dtype, tol in [(3, 2, 6, 200, 64, torch
     masked[..., slots - 5:] = True
     masked[0, ..., : slots - 20] = True
     bias = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))
-    assert da.split_plan(rows, groups, slots)[0] > 1
-    out = da.decode_attention(q, key, value, bias, 0.5)
-    error = (out.double() - plain(q, key, value, masked, 0.5)).abs().max().item()
-    assert error < tol, (rows, groups, per_group, slots, dim, dtype, error)
+    # Sliced and combined; then one slice per row, which the split kernel writes itself.
+    for target, sliced in ((default_target, True), (1, False)):
+        da.TARGET_PROGRAMS = target
+        assert (da.split_plan(rows, groups, slots)[0] > 1) == sliced
+        out = da.decode_attention(q, key, value, bias, 0.5)
+        error = (out.double() - plain(q, key, value, masked, 0.5)).abs().max().item()
+        assert error < tol, (rows, groups, per_group, slots, dim, dtype, sliced, error)
+    da.TARGET_PROGRAMS = default_target
 print("interpreted kernels ok")
 """
 

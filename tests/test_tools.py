@@ -155,6 +155,24 @@ def test_learner_gpu_bench_flop_formula_by_hand():
     assert step_flops(m, 151936, 8, 2048) == 6 * 1_543_569_408 * 8 * 2048 + 6 * 28 * 1536 * 8 * 2048 ** 2
 
 
+def test_decode_gemm_bench_covers_the_step_matmuls():
+    """tools/bench/decode_gemm_gpu.py's matmuls at Qwen2-1.5B's shape are the step's matmul
+    weights: every layer's four and the LM head once, as model_size counts them."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from decode_gemm_gpu import bound_us, shapes
+    from model_size import matmul_params
+
+    from megatron_rl.checks import load_config
+
+    m = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"]).model
+    table = shapes(m.hidden_size, m.num_attention_heads, m.num_query_groups, m.hidden_size // m.num_attention_heads,
+                   m.ffn_hidden_size, 151936)
+    weights = sum(out * inp * (m.num_layers * per_layer or 1) for _, out, inp, _, per_layer in table)
+    assert weights == matmul_params(m, 151936)
+    # 256 rows of the output projection: compute-bound (1.21 GFLOP at 803 TFLOP/s = 1.50 us).
+    assert abs(bound_us(256, 1536, 1536, 803, 4.3) - 2 * 256 * 1536 ** 2 / 803e6) < 1e-9
+
+
 def test_engine_gpu_bench_roofline_by_hand():
     """tools/bench/engine_gpu.py's roofline at Qwen2-1.5B's shape, batch 256, 512 + 256 tokens:
     prefill matmuls and attention, then per step the matmuls (compute-bound at 256 rows) and the

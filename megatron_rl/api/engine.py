@@ -35,6 +35,8 @@ class EngineStats:
     captures: int = 0
     late_captures: int = 0
     capture_s: float = 0.0
+
+
 class RolloutEngine(abc.ABC):
     """An asynchronous generation engine holding one version of the policy weights.
 

@@ -10,7 +10,8 @@ rows of one small matrix product against each block of keys (no copy of the keys
 softmax is kept online, and a block whose slots are all masked (left padding, slots after the new
 token within the static width) is skipped without reading its keys or values. A second kernel
 combines the slices' partial results. Slicing the slots gives the GPU enough programs at small
-batches too.
+batches too; where the rows alone give enough (one slice), the kernel writes the output itself and
+the combining launch and its partial results are skipped.
 
 Used when triton imports (it ships with CUDA builds of torch); ``CachedKVAttention.decode_kernel``
 selects it. CI has no GPU: ``split_decode_reference`` computes the same slicing and combination
@@ -112,20 +113,24 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if bias.stride(1) != 1:
         bias = bias.contiguous()
     r_pad = max(16, 1 << (r - 1).bit_length())
-    part_max = torch.empty(b * g, slices, r_pad, device=query.device, dtype=torch.float32)
-    part_sum = torch.empty_like(part_max)
-    part_acc = torch.empty(b * g, slices, r_pad, d, device=query.device, dtype=torch.float32)
+    out = torch.empty_like(query)
+    if slices == 1:  # the split kernel normalises and writes ``out``; the partial buffers go unused
+        part_max = part_sum = part_acc = out
+    else:
+        part_max = torch.empty(b * g, slices, r_pad, device=query.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+        part_acc = torch.empty(b * g, slices, r_pad, d, device=query.device, dtype=torch.float32)
     kernels.split(
         (b * g, slices),
-        query, key, value, bias, part_max, part_sum, part_acc,
+        query, key, value, bias, part_max, part_sum, part_acc, out,
         query.stride(0), query.stride(1), query.stride(2),
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         bias.stride(0), g, slots, per_slice, scale,
         R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices,
     )
-    out = torch.empty_like(query)
-    kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
+    if slices > 1:
+            kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
     return out
 
 
@@ -135,7 +140,7 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def attention_split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc,
+    def attention_split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc, Out,
                                sqb, sqg, sqr, skb, skg, sks, svb, svg, svs, sbb,
                                G, slots, per_slice, scale,
                                R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -170,10 +175,14 @@ def _kernels():
                 v = tl.load(v_base + n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
-        out = bg * SLICES + part
-        tl.store(PartMax + out * R_PAD + offs_r, m)
-        tl.store(PartSum + out * R_PAD + offs_r, s_sum)
-        tl.store(PartAcc + (out * R_PAD + offs_r[:, None]) * D + offs_d[None, :], acc)
+        if SLICES == 1:  # the whole row seen here: normalise and write it (no combining launch)
+            tl.store(Out + (bg * R + offs_r[:, None]) * D + offs_d[None, :],
+                     (acc / s_sum[:, None]).to(Out.dtype.element_ty), mask=offs_r[:, None] < R)
+        else:
+            out = bg * SLICES + part
+            tl.store(PartMax + out * R_PAD + offs_r, m)
+            tl.store(PartSum + out * R_PAD + offs_r, s_sum)
+            tl.store(PartAcc + (out * R_PAD + offs_r[:, None]) * D + offs_d[None, :], acc)
 
     @triton.jit
     def attention_combine_kernel(PartMax, PartSum, PartAcc, Out,

@@ -1,7 +1,7 @@
 """Benchmark: a decode step's attention on one GPU, the Triton kernel against torch's fused kernel.
 
     python tools/bench/decode_attention_gpu.py [--rows 64,256] [--slots 640,768] [--layers 28]
-        [--configs 64x4x2,128x4x3]
+        [--configs 64x4x2,128x4x3,64x4x2x256]
 
 Qwen2-1.5B's attention shape (2 key groups of 6 query heads, head dim 128, bf16). Per (rows,
 width): the new token at slot width - 68 (the slots after it masked, as in the engine's static
@@ -9,8 +9,10 @@ width), ``--layers`` calls replayed from one CUDA graph; milliseconds per step f
 ``models/decode_attention.py``'s kernels and for ``scaled_dot_product_attention`` with the same
 additive mask, and the bandwidth each reaches on the bytes a step must read (keys and values of
 the seen slots). First, each kernel's largest error against float64 attention. ``--configs``:
-Triton launch choices to compare, each BLOCKxWARPSxSTAGES (slots per key block, warps per
-program, pipelined loads), one column each; the module's defaults when not given.
+Triton launch choices to compare, each BLOCKxWARPSxSTAGES[xPROGRAMS] (slots per key block, warps
+per program, pipelined loads, and the programs the slot slicing aims for: at 256 rows of 2 key
+groups a target of 512 or fewer keeps one slice, which skips the combining launch), one column
+each; the module's defaults when not given.
 """
 
 from __future__ import annotations
@@ -55,19 +57,25 @@ def step_ms(fn, layers: int) -> float:
 
 
 def triton_configs(spec: str, module) -> dict:
-    """{column name: (block, warps, stages)} from ``--configs``; the module's own when empty."""
-    default = (module.BLOCK_SLOTS, module.SPLIT_WARPS, module.SPLIT_STAGES)
+    """{column name: (block, warps, stages, target programs)} from ``--configs``; the module's
+    own when empty or not given."""
+    default = (module.BLOCK_SLOTS, module.SPLIT_WARPS, module.SPLIT_STAGES, module.TARGET_PROGRAMS)
     if not spec:
         return {"triton": default}
-    return {f"t{c}": tuple(int(x) for x in c.split("x")) for c in spec.split(",")}
+    configs = {}
+    for c in spec.split(","):
+        given = tuple(int(x) for x in c.split("x"))
+        configs[f"t{c}"] = given + default[len(given):]
+    return configs
 
 
 def with_config(config, fn):
-    """``fn`` run with decode_attention's launch constants set to ``config`` (block, warps, stages)."""
+    """``fn`` run with decode_attention's launch constants set to ``config`` (block, warps, stages,
+    target programs)."""
     from megatron_rl.models import decode_attention as da
 
     def run(*args):
-        da.BLOCK_SLOTS, da.SPLIT_WARPS, da.SPLIT_STAGES = config
+        da.BLOCK_SLOTS, da.SPLIT_WARPS, da.SPLIT_STAGES, da.TARGET_PROGRAMS = config
         return fn(*args)
 
     return run
@@ -78,7 +86,7 @@ def main() -> None:
     parser.add_argument("--rows", default="64,256")
     parser.add_argument("--slots", default="640,768")
     parser.add_argument("--layers", type=int, default=28)
-    parser.add_argument("--configs", default="", help="Triton launch choices, BLOCKxWARPSxSTAGES,...")
+    parser.add_argument("--configs", default="", help="Triton launch choices, BLOCKxWARPSxSTAGES[xPROGRAMS],...")
     args = parser.parse_args()
     from megatron_rl.models import decode_attention as da
     from megatron_rl.models.decode_attention import decode_attention, triton_available

@@ -77,6 +77,9 @@ PEAK_TFLOPS = 989.0
 PEAK_TBS = 4.8
 # HBM bandwidth measured on the H200 (a large device-to-device copy): the MoE decode bound uses it.
 MEASURED_TBS = 4.3
+# The H200's dense bf16 matmul rate as measured (large cuBLAS GEMMs): with MEASURED_TBS, the
+# roofline of the table's last column.
+MEASURED_TFLOPS = 803.0
 ON_GPU = torch.cuda.is_available()
 
 # Whole models by name: (recipe, overrides, vocabulary), with their bf16 sizes. The engine's KV cache
@@ -319,13 +322,20 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
     params = SamplingParams(max_new_tokens=3 * steps)
     # Kernels on a GPU; on a CPU (a dry run of the bench) the profiler has no device to watch.
     activities = [ProfilerActivity.CUDA if ON_GPU else ProfilerActivity.CPU]
+    synchronize()
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         gen.prefill(prompts, params)
         synchronize()
+    wall = time.perf_counter() - start
     events = [e for e in prof.key_averages() if (getattr(e, "device_time_total", 0) or 0) > 0]
-    print(f"prefill of {len(prompts)} rows: kernels {sum(e.device_time_total for e in events) / 1e3:.1f} ms")
+    print(f"prefill of {len(prompts)} rows: wall {wall * 1e3:.1f} ms (profiled), "
+          f"kernels {sum(e.device_time_total for e in events) / 1e3:.1f} ms")
     for e in sorted(events, key=lambda e: -e.device_time_total)[:top]:
         print(f"    {e.device_time_total / 1e3:8.2f} ms {e.count:5d}x {e.key[:110]}")
+    print(f"prefill of {len(prompts)} rows by kind of kernel:")
+    for line in kinds_table([(e.key, e.device_time_total, e.count) for e in events], 1):
+        print(line)
     for _ in range(2):
         gen.decode(params)
     synchronize()
@@ -529,6 +539,8 @@ def main() -> None:
         hf_tps, hf_first = (max(hf_rates[batch]), hf_rates[batch][0]) if batch in hf_rates else (float("nan"),) * 2
         roofline_tps = batch * args.new_tokens / roofline_seconds(m, vocab, batch, args.prompt_len, args.new_tokens,
                                                                   dtype_bytes=dtype_bytes)
+        measured_tps = batch * args.new_tokens / roofline_seconds(m, vocab, batch, args.prompt_len, args.new_tokens,
+                                                                  MEASURED_TFLOPS, MEASURED_TBS, dtype_bytes)
         for graphs in args.graphs.split(","):
             for attention, sampler in itertools.product(args.decode_attention.split(","), args.sampler.split(",")):
                 use_decode_attention(attention)
@@ -540,6 +552,9 @@ def main() -> None:
                 tokens = sum(len(t) for t, _, _ in out)
                 assert tokens == batch * args.new_tokens, tokens
                 st = engine.stats
+                print(f"batch {batch} run: {took:.3f} s = prefill and admissions {st.prefill_s + st.admit_s:.3f} s "
+                      f"+ {st.decode_steps} decode steps {st.decode_s:.3f} s + outside model calls "
+                      f"{took - st.compute_s:.3f} s (requests, recording, responses)", flush=True)
                 device_memory(f"engine at batch {batch} after its run (KV cache, graphs)")
                 if args.profile:
                     profile_decode(engine, prompts[batch], top=args.profile_top)
@@ -554,7 +569,8 @@ def main() -> None:
                 rows.append(f"{batch:>6} {args.prompt_len:>7} {args.new_tokens:>5} {variant:>15} {engine_tps:>12.0f} "
                             f"{st.prefill_s + st.admit_s:>9.2f} {step_ms:>8.2f} {hf_tps:>14.0f} "
                             f"{engine_tps / hf_tps:>7.2f}x {engine_tps / hf_first:>7.2f}x "
-                            f"{roofline_tps:>13.0f} {100 * engine_tps / roofline_tps:>5.0f}%")
+                            f"{roofline_tps:>13.0f} {100 * engine_tps / roofline_tps:>5.0f}% "
+                            f"{100 * engine_tps / measured_tps:>7.1f}%")
                 print(rows[-1], flush=True)
                 if m.num_experts:
                     moe_lines.append(moe_bound_line(m, vocab, batch, args.prompt_len, args.new_tokens, variant,
@@ -564,9 +580,11 @@ def main() -> None:
     device = torch.cuda.get_device_name() if ON_GPU else "CPU"
     print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.preset or recipe} shape "
           f"{' '.join(overrides)}, vocab {vocab}, {m.dtype}, T=1, no stop token ({device}); roofline at "
-          f"{PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBS} TB/s (datasheet)")
+          f"{PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBS} TB/s (datasheet); 'measured': the same roofline at the "
+          f"measured peaks ({MEASURED_TFLOPS:.0f} TFLOP/s, {MEASURED_TBS} TB/s)")
     print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs/decode':>15} {'engine tok/s':>12} {'prefill s':>9} "
-          f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'vs 1st':>8} {'roofline tok/s':>13} {'of it':>6}")
+          f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'vs 1st':>8} {'roofline tok/s':>13} {'of it':>6} "
+          f"{'measured':>8}")
     for line in rows:
         print(line)
     for line in moe_lines + notes + gap_lines:
