@@ -104,6 +104,32 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
     assert gap <= 1e-5, gap
 
 
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_the_lm_head_writes_the_static_steps_logits_in_place(megatron_world, family):
+    """The static step's logits come from the LM head's matmul written into the decoder's one
+    buffer (models/logits_target.py: no copy of [rows, V] per step), tied (qwen2's test shape) or
+    untied (llama's) head alike, and only there: a forward with autograd computes its own."""
+    from megatron_rl.models.gpt import model_device
+    from megatron_rl.rollout.embedded.generator import KVCachedGenerator
+
+    model = _model(family)
+    gen = KVCachedGenerator(model, max_batch_size=4, max_seq_len=32, device=model_device(), seed=0,
+                            static_decode=True)
+    params = SamplingParams(max_new_tokens=8)
+    gen.prefill([[1, 2, 3], [4, 5]], params)
+    target = gen._static._head
+    assert target is not None and target.writes == 0
+    for step in range(3):
+        gen.decode(params)
+        # The first step makes the buffer (its logits copied in), every later one writes into it.
+        assert target.writes == step
+    assert target.buffer is None
+    hidden = torch.randn(1, 2, model.config.hidden_size, device=model_device())
+    with target.writing_to(gen._static.logits), torch.enable_grad():
+        logits, _ = model.output_layer(hidden, weight=model.shared_embedding_or_output_weight())
+    assert target.writes == 2 and logits.data_ptr() != gen._static.logits.data_ptr() and logits.requires_grad
+
+
 def test_buckets():
     from megatron_rl.rollout.embedded.decode_graphs import WIDTH_STEP, row_bucket, width_bucket
 

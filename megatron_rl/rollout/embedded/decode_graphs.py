@@ -35,11 +35,14 @@ Sampling stays outside the graph (it reads the engine's random generator and the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from ...models.logits_target import logits_target
 
 if TYPE_CHECKING:  # megatron-core is imported where a model is built, not with this module
     from ...models.grouped_moe import GroupedMoELayer
@@ -128,8 +131,10 @@ class StaticDecoder:
         self._started = False  # ``capture_all`` has run
         self._pool = torch.cuda.graph_pool_handle() if capture else None
         # Every graph writes its logits here ([max_rows, V]): one buffer, not one per graph (each
-        # [rows, V] of a 152k vocabulary; dozens of buckets would hold gigabytes).
+        # [rows, V] of a 152k vocabulary; dozens of buckets would hold gigabytes). The LM head
+        # writes into it directly where it can (models/logits_target.py), else a copy does.
         self.logits: Optional[torch.Tensor] = None
+        self._head = logits_target(model)
         # Likewise the routed layers' choices, [max_rows, moe layers, top_k].
         self.choices: Optional[torch.Tensor] = None
 
@@ -188,13 +193,20 @@ class StaticDecoder:
         # Slots after the new token are masked; the new token's own never is (a row past the live
         # ones may hold any padding, and a row with no slot to see would be NaN in a fused kernel).
         mask = (self.key_padding[:rows, None, None, :width] & (slots != self.slot)) | (slots > self.slot)
-        with context.static_step(self.slot, width):
+        into = (self._head.writing_to(self.logits[:rows]) if self._head is not None and self.logits is not None
+                else contextlib.nullcontext())
+        with context.static_step(self.slot, width), into:
             logits = self.model(self.tokens[:rows], self.positions[:rows], mask, inference_context=context,
                                 runtime_gather_output=True)
+        logits = logits[:, -1, :]
+        if self.logits is None:
+            self.logits = torch.empty(self.max_rows, logits.size(-1), dtype=logits.dtype, device=logits.device)
+        if logits.data_ptr() != self.logits.data_ptr():  # the head did not write into the buffer
+            self.logits[:rows].copy_(logits)
         choices = None
         if self.routed:  # one token per row: a layer's [rows, top_k] is already row-major
             choices = torch.stack([layer.choices for layer in self.routed], dim=1)
-        return logits[:, -1, :], choices
+        return self.logits[:rows], choices
 
     def _record(self, rows: int, width: int) -> "torch.cuda.CUDAGraph":
         """Capture one bucket's step. Warm-up runs first, on a side stream as capture needs (they
@@ -204,10 +216,8 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                warm, warm_choices = self._forward(rows, width)
+                _, warm_choices = self._forward(rows, width)
         torch.cuda.current_stream().wait_stream(side)
-        if self.logits is None:
-            self.logits = torch.empty(self.max_rows, warm.size(-1), dtype=warm.dtype, device=warm.device)
         if warm_choices is not None and self.choices is None:
             self.choices = torch.empty((self.max_rows, *warm_choices.shape[1:]), dtype=warm_choices.dtype,
                                        device=warm_choices.device)
@@ -215,8 +225,7 @@ class StaticDecoder:
         # thread_local: the engine captures on its compute thread while a colocated learner may
         # be launching its own work on another.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            logits, choices = self._forward(rows, width)
-            self.logits[:rows].copy_(logits)
+            _, choices = self._forward(rows, width)  # its logits are in self.logits
             if choices is not None:
                 self.choices[:rows].copy_(choices)
         return graph
