@@ -128,18 +128,27 @@ def _fused_kernels(mains: List[torch.Tensor], models: List[torch.Tensor], inner:
     beta1, beta2 = group["betas"]
     kernel = _kernel()
     scale = grad_scale if grad_scale is not None else steps[0]  # unread without HAS_SCALE
+    one_minus_beta1, one_minus_beta2 = (_one_minus(beta, mains[0].device) for beta in (beta1, beta2))
     for p, model, step in zip(mains, models, steps):
         state = inner.state[p]
         n = p.numel()
         kernel[(triton_cdiv(n, BLOCK),)](
             p.detach(), p.grad, state["exp_avg"], state["exp_avg_sq"], model.data, step, scale, n,
-            # Differences from 1 and products formed here in float64, as torch's kernel does: in
-            # fp32, 1 - 0.999 alone is 1.3e-5 off.
             float(group["lr"]), 1.0 - float(group["lr"]) * float(group["weight_decay"]),
-            float(beta1), 1.0 - float(beta1), float(beta2), 1.0 - float(beta2), math.log(beta1), math.log(beta2),
+            float(beta1), one_minus_beta1, float(beta2), one_minus_beta2, math.log(beta1), math.log(beta2),
             float(group["eps"]),
             HAS_SCALE=grad_scale is not None, BLOCK=BLOCK, num_warps=8,
         )
+
+
+def _one_minus(beta: float, device: torch.device) -> float:
+    """1 - beta as torch's fused AdamW forms it on ``device``: its CPU kernel in float64, its CUDA
+    kernel from beta rounded to fp32 (measured on an H200: 1 - fp32(0.999) is 1.3e-5 off 0.001,
+    and the moments it gives are that far from the float64 ones). The kernel follows torch so
+    that a step equals the one megatron-core's optimizer would take."""
+    if device.type == "cuda":
+        return 1.0 - float(torch.tensor(beta, dtype=torch.float32))
+    return 1.0 - float(beta)
 
 
 @functools.lru_cache(maxsize=None)

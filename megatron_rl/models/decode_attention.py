@@ -33,8 +33,11 @@ BLOCK_SLOTS = 64  # slots per block of keys (one matrix product per block)
 # (tools/bench/decode_attention_gpu.py --configs compares choices).
 SPLIT_WARPS = 4
 SPLIT_STAGES = 2
-# Programs to aim for: a few per streaming multiprocessor, so that loads overlap (132 on an H200).
-TARGET_PROGRAMS = 4 * 132
+# Programs the slicing aims for: about four per streaming multiprocessor (132 on an H200), so that
+# loads overlap. 512, not 4 x 132: 256 rows of 2 key groups (512 programs) then keep one slice,
+# which on an H200 took 1.20 ms per 28-layer step at 640 slots where two slices and their combine
+# took 1.38 (tools/bench/decode_attention_gpu.py --configs 64x4x2,64x4x2x512).
+TARGET_PROGRAMS = 512
 
 
 @functools.lru_cache(maxsize=1)
