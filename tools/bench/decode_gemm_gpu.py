@@ -17,9 +17,15 @@ The bound: the slower of the FLOPs at ``--tflops`` and the weight, input and out
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from decode_attention_gpu import step_ms  # noqa: E402 - the sibling benchmark's graph timer
 
 
 def shapes(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, vocab: int) -> List[Tuple[str, int, int, bool, int]]:
@@ -34,25 +40,7 @@ def shapes(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, vocab:
 
 def graph_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
     """Microseconds per call of ``fn``, ``repeats`` calls captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / (20 * repeats)
+    return 1e3 * step_ms(fn, repeats) / repeats
 
 
 def bound_us(rows: int, out: int, inp: int, tflops: float, tbs: float) -> float:
