@@ -133,7 +133,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices,
     )
     if slices > 1:
-            kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
+        kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
     return out
 
 

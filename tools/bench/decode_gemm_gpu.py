@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_attention_gpu import step_ms  # noqa: E402 - the sibling benchmark's graph timer
+from engine_gpu import MEASURED_TBS, MEASURED_TFLOPS  # noqa: E402 - the engine bench's measured peaks
 
 
 def shapes(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, vocab: int) -> List[Tuple[str, int, int, bool, int]]:
@@ -61,8 +62,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--libraries", default="cublas,cublaslt")
     parser.add_argument("--compile", action="store_true", help="also inductor's max-autotune Triton matmul")
-    parser.add_argument("--tflops", type=float, default=803.0)
-    parser.add_argument("--tbs", type=float, default=4.3)
+    parser.add_argument("--tflops", type=float, default=MEASURED_TFLOPS)
+    parser.add_argument("--tbs", type=float, default=MEASURED_TBS)
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     torch.manual_seed(0)
