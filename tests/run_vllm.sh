@@ -36,6 +36,15 @@ if [ "${1:-}" = "--install-only" ]; then
 fi
 cd "$ROOT"
 export MEGATRON_RL_REQUIRE_VLLM=1 MEGATRON_RL_REQUIRE_TRITON=1
-exec "$VENV_PYTHON" -m pytest -ra tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
+# Two pytest-xdist workers, a file each at a time (as tests/run.sh): much of a vLLM test is waiting
+# (engine start-up, a hung or killed engine's detection), so two workers finish the phase about a
+# third sooner on a 2-core box (docs/benchmarks.md). `-s`, `--pdb` or an explicit `-n N` run as given.
+XDIST=(-n "${MEGATRON_RL_TEST_WORKERS:-2}" --dist loadfile)
+for arg in "$@"; do
+  case "$arg" in
+    -s|--capture=no|--pdb|-n|-n*|--numprocesses|--numprocesses=*) XDIST=() ;;
+  esac
+done
+exec "$VENV_PYTHON" -m pytest -ra "${XDIST[@]}" tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
   tests/test_vllm_world.py tests/test_vllm_agent.py tests/test_vllm_lora.py tests/test_decode_attention.py \
   tests/test_rope_store.py tests/test_logprob_kernels.py tests/test_adam_kernel.py tests/test_sampling_kernel.py "$@"
