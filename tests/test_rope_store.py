@@ -13,12 +13,17 @@ from triton_interpreter import run_interpreted
 from megatron_rl.models import rope_store as rs
 
 
-def _case(rows: int, heads: int, groups: int, dim: int, slots: int, dtype, device="cpu", seed=0):
-    """Query, key and value as views of one fused projection (Megatron splits [rows, (heads +
-    2 * groups) * dim]), caches with more rows than the step, RoPE frequencies at one slot."""
+def _case(rows: int, heads: int, groups: int, dim: int, slots: int, dtype, device="cpu", seed=0, grouped=False):
+    """Query, key and value as views of one fused projection (megatron-core's layout: per key group
+    its query heads, its key, its value), caches with more rows than the step, RoPE frequencies at
+    one slot. The query [rows, heads, dim] as megatron-core reshapes it (a copy), or with
+    ``grouped`` the view [rows, groups, heads per group, dim] the engine's static step passes."""
     gen = torch.Generator().manual_seed(seed)
-    mixed = torch.randn(rows, heads + 2 * groups, dim, generator=gen).to(dtype)
-    query, key, value = mixed[:, :heads], mixed[:, heads:heads + groups], mixed[:, heads + groups:]
+    per_group = heads // groups
+    mixed = torch.randn(rows, groups, per_group + 2, dim, generator=gen).to(dtype)
+    query, key, value = mixed[:, :, :per_group], mixed[:, :, per_group], mixed[:, :, per_group + 1]
+    if not grouped:
+        query = query.reshape(rows, heads, dim)
     keys = torch.randn(rows + 2, groups, slots, dim, generator=gen).to(dtype)
     values = torch.randn(rows + 2, groups, slots, dim, generator=gen).to(dtype)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
@@ -28,11 +33,12 @@ def _case(rows: int, heads: int, groups: int, dim: int, slots: int, dtype, devic
     return [t.to(device) for t in (query, key, value, freqs, keys, values, slot)]
 
 
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("dim", [8, 128])
-def test_reference_equals_megatron_rope_and_cache_writes(dim):
+def test_reference_equals_megatron_rope_and_cache_writes(dim, grouped):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    query, key, value, freqs, keys, values, slot = _case(5, 6, 2, dim, 40, torch.float64)
+    query, key, value, freqs, keys, values, slot = _case(5, 6, 2, dim, 40, torch.float64, grouped=grouped)
     expected_keys, expected_values = keys.clone(), values.clone()
     cos, sin = torch.cos(freqs), torch.sin(freqs)
     rotated = rs.rope_store_reference(query, key, value, cos, sin, keys, values, slot)
@@ -40,7 +46,7 @@ def test_reference_equals_megatron_rope_and_cache_writes(dim):
     megatron = lambda t: _apply_rotary_pos_emb_bshd(t[None], freqs[None, None, None])[0]  # [seq, b, h, d]
     expected_keys[:5, :, slot.item()] = megatron(key)
     expected_values[:5, :, slot.item()] = value
-    torch.testing.assert_close(rotated, megatron(query), atol=1e-12, rtol=0)
+    torch.testing.assert_close(rotated, megatron(query.reshape(5, 6, dim)), atol=1e-12, rtol=0)
     assert rotated.is_contiguous()
     torch.testing.assert_close(keys, expected_keys, atol=1e-12, rtol=0)
     assert torch.equal(values, expected_values)  # values stored as they are; other rows and slots untouched
@@ -52,9 +58,11 @@ def test_kernel_takes_power_of_two_head_dims():
 
 
 @pytest.mark.skipif(not rs.fused_available(torch.device("cuda")), reason="needs a GPU with triton")
+@pytest.mark.parametrize("grouped", [False, True])
 @pytest.mark.parametrize("rows,dim", [(1, 128), (256, 128), (7, 64)])
-def test_triton_kernel_computes_the_reference(rows, dim):
-    query, key, value, freqs, keys, values, slot = _case(rows, 12, 2, dim, 300, torch.bfloat16, device="cuda")
+def test_triton_kernel_computes_the_reference(rows, dim, grouped):
+    query, key, value, freqs, keys, values, slot = _case(rows, 12, 2, dim, 300, torch.bfloat16, device="cuda",
+                                                         grouped=grouped)
     cos, sin = torch.cos(freqs).bfloat16(), torch.sin(freqs).bfloat16()
     ref_keys, ref_values = keys.clone(), values.clone()
     expected = rs.rope_store_reference(query, key, value, cos, sin, ref_keys, ref_values, slot)
@@ -63,15 +71,19 @@ def test_triton_kernel_computes_the_reference(rows, dim):
 
 
 # fp32 and fp16 (the interpreter's numpy has no bfloat16); head dims 8 and 128; query, key and value
-# strided views of one projection; caches with rows the step does not write.
+# strided views of one projection, the query also in its grouped layout; caches with rows the step
+# does not write.
 _INTERPRETED_CASES = r"""
 import torch
 from megatron_rl.models import rope_store as rs
 from test_rope_store import _case
 
-for rows, heads, groups, dim, dtype in [(3, 6, 2, 128, torch.float32), (2, 4, 4, 8, torch.float16),
-                                        (5, 12, 2, 64, torch.float32)]:
-    query, key, value, freqs, keys, values, slot = _case(rows, heads, groups, dim, 50, dtype)
+for rows, heads, groups, dim, dtype, grouped in [(3, 6, 2, 128, torch.float32, False),
+                                                 (2, 4, 4, 8, torch.float16, False),
+                                                 (5, 12, 2, 64, torch.float32, False),
+                                                 (3, 6, 2, 128, torch.float32, True),
+                                                 (2, 8, 2, 8, torch.float16, True)]:
+    query, key, value, freqs, keys, values, slot = _case(rows, heads, groups, dim, 50, dtype, grouped=grouped)
     cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
     ref_keys, ref_values = keys.clone(), values.clone()
     expected = rs.rope_store_reference(query, key, value, cos, sin, ref_keys, ref_values, slot)

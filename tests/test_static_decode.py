@@ -86,7 +86,9 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
     monkeypatch.setattr(EngineSelfAttention, "rope_store_on_cpu", fused)
     stores = []
     reference = kv_attention.rope_store_reference
-    monkeypatch.setattr(kv_attention, "rope_store_reference", lambda *a: stores.append(1) or reference(*a))
+    # Each call's query layout: [rows, groups, heads per group, dim] as the fused projection holds it
+    # (no reshape copy), unless the attention normalises its query (Qwen3) and so reshapes it first.
+    monkeypatch.setattr(kv_attention, "rope_store_reference", lambda *a: stores.append(a[0].dim()) or reference(*a))
     model = _model(family)
     assert decode_graphs.static_decode_supported(model)
     mla = model.config.multi_latent_attention
@@ -94,6 +96,9 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
     assert not stores  # the eager step rotates and stores as before
     static_tokens, static_logprobs, static_routing = _script(model, static=True)
     assert bool(stores) == (fused and not mla), len(stores)
+    if stores:
+        normed = model.decoder.layers[0].self_attention.q_layernorm is not None
+        assert set(stores) == ({3} if normed else {4}), (family, set(stores))
     assert static_tokens == tokens
     assert (routing is None) == (not model.config.num_moe_experts)
     if routing is not None:

@@ -28,6 +28,7 @@ forward is unchanged. Multi-latent attention keeps Megatron's cache layout (mode
 from __future__ import annotations
 
 import logging
+import threading
 from contextlib import contextmanager
 from typing import Dict, Optional, Tuple
 
@@ -48,6 +49,16 @@ from .rope_store import supports as rope_store_supports
 logger = logging.getLogger(__name__)
 
 Cache = Tuple[torch.Tensor, torch.Tensor]
+
+
+class _StaticStep(threading.local):
+    """Whether this thread is inside a static decode step (``EngineKVContext.static_step``): the
+    engine's steps run on its compute thread, a colocated learner's forwards on another."""
+
+    active = False
+
+
+_static_step = _StaticStep()
 
 
 class EngineKVContext(StaticInferenceContext):
@@ -72,10 +83,12 @@ class EngineKVContext(StaticInferenceContext):
         """Within: a static-shape decode step writing slot ``slot`` ([1] int64 on the device) and
         reading ``width`` slots."""
         self.static_slot, self.static_width = slot, width
+        _static_step.active = True
         try:
             yield
         finally:
             self.static_slot, self._slot_rotary = None, None
+            _static_step.active = False
 
     def slot_rotary(self, table: torch.Tensor) -> torch.Tensor:
         """``table``'s rows ([slots, 1, 1, dim] RoPE frequencies) at the static slot: one lookup per
@@ -160,9 +173,33 @@ class EngineSelfAttention(SelfAttention):
     rope_store_on_cpu = False
     rope_store_failed = False  # set by the first failure of the Triton kernel: torch ops from then on
 
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        """In a static decode step: the query as a view of the fused projection,
+        [sq, b, groups, heads per group, dim], instead of megatron-core's reshape of it to
+        [sq, b, heads, dim] (a copy per layer); the fused rotation reads it there
+        (``_rope_and_store``). Elsewhere, and where megatron-core does more to the query (norms,
+        an output gate, query groups split over tensor-parallel ranks), megatron-core's own."""
+        if not (_static_step.active and split_qkv and not output_gate and key_value_states is None
+                and self.q_layernorm is None and self.k_layernorm is None
+                and self.config.num_query_groups >= self.world_size):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
+                                                       split_qkv=split_qkv)
+        mixed, _ = self.linear_qkv(hidden_states)
+        per_group = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        dim = self.hidden_size_per_attention_head
+        mixed = mixed.view(*mixed.shape[:-1], self.num_query_groups_per_partition, (per_group + 2) * dim)
+        query = mixed[..., : per_group * dim].unflatten(-1, (per_group, dim))
+        return query, mixed[..., per_group * dim : (per_group + 1) * dim], mixed[..., (per_group + 1) * dim :]
+
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                         rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                                         sequence_len_offset=None, *, inference_params=None):
+        # A query in the fused projection's layout (get_query_key_value_tensors) that the fused
+        # rotation will not take gets megatron-core's layout after all (the copy it skipped).
+        if query.dim() == 5 and not (isinstance(inference_context, EngineKVContext) and rotary_pos_emb is not None
+                                     and inference_context.static_slot is not None
+                                     and self._rope_store_applies(query, *rotary_pos_emb)):
+            query = query.flatten(2, 3)
         if not isinstance(inference_context, EngineKVContext):
             return super()._adjust_key_value_for_inference(
                 inference_context or inference_params, query, key, value, rotary_pos_emb, rotary_pos_cos,

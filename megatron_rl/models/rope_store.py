@@ -7,7 +7,10 @@ contiguous for the attention kernel. At batch 256 each moves well under a megaby
 microseconds of launch and tail inside the CUDA graph, about 0.4 ms of a 4.5 ms step over 28
 layers (measured on an H200). Here one program per (row, query head or key group) reads its head
 once, rotates it in fp32 and writes it where it goes: the query to a contiguous
-[rows, heads, dim] tensor, the key and the value to the cache at the step's slot.
+[rows, heads, dim] tensor, the key and the value to the cache at the step's slot. The query may
+come in the fused QKV projection's own layout, [rows, groups, heads per group, dim] (a view of it):
+megatron-core's split reshapes it to [rows, heads, dim], one more copy per layer, which the
+engine's static step skips (models/kv_attention.py).
 
 The rotation is megatron-core's ``t * cos + rotate_half(t) * sin`` over the whole head (not
 interleaved), computed in fp32 and rounded once, as the compiled RoPE the unfused path runs
@@ -41,11 +44,15 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 def rope_store_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          slot: torch.Tensor) -> torch.Tensor:
-    """query [rows, heads, dim], key and value [rows, groups, dim] (views; the last dimension
+    """query [rows, heads, dim] or [rows, groups, heads per group, dim] (the fused projection's own
+    layout, read without a copy), key and value [rows, groups, dim] (views; the last dimension
     contiguous), cos and sin [dim] (scaled, in the model's dtype), the caches ``keys`` and
     ``values`` [max rows, groups, slots, dim], ``slot`` [1] int64 on the device. Stores the rotated
-    key and the value at ``slot`` of rows 0..rows; returns the rotated query, contiguous."""
+    key and the value at ``slot`` of rows 0..rows; returns the rotated query [rows, heads, dim],
+    contiguous."""
     rows = query.size(0)
+    if query.dim() == 4:
+        query = query.flatten(1, 2)
     keys[:rows].index_copy_(2, slot, _rotate(key, cos, sin).unsqueeze(2))
     values[:rows].index_copy_(2, slot, value.unsqueeze(2))
     return _rotate(query, cos, sin).contiguous()
@@ -54,14 +61,15 @@ def rope_store_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 def rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """The Triton kernel (arguments and result as in ``rope_store_reference``)."""
-    rows, heads, dim = query.shape
-    groups = key.size(1)
+    grouped = query if query.dim() == 4 else query.unsqueeze(1)  # [rows, groups, heads per group, dim]
+    rows, _, per_group, dim = grouped.shape
+    heads, groups = grouped.size(1) * per_group, key.size(1)
     out = torch.empty((rows, heads, dim), dtype=query.dtype, device=query.device)
     _kernel()[(rows, heads + groups)](
-        query, key, value, cos, sin, keys, values, slot, out,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        heads, HALF=dim // 2, num_warps=1,
+        grouped, key, value, cos, sin, keys, values, slot, out,
+        grouped.stride(0), grouped.stride(1), grouped.stride(2), key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1),
+        values.stride(2), heads, per_group, HALF=dim // 2, num_warps=1,
     )
     return out
 
@@ -78,8 +86,8 @@ def _kernel():
 
     @triton.jit
     def rope_store_kernel(Q, K, V, Cos, Sin, KC, VC, Slot, QOut,
-                          sqb, sqh, skb, skg, svb, svg, skcb, skcg, skcs, svcb, svcg, svcs,
-                          H, HALF: tl.constexpr):
+                          sqb, sqg, sqh, skb, skg, svb, svg, skcb, skcg, skcs, svcb, svcg, svcs,
+                          H, R, HALF: tl.constexpr):
         row = tl.program_id(0)
         head = tl.program_id(1)  # 0..H-1: a query head; H..: a key group
         lo = tl.arange(0, HALF)
@@ -89,7 +97,7 @@ def _kernel():
         sin_lo = tl.load(Sin + lo).to(tl.float32)
         sin_hi = tl.load(Sin + hi).to(tl.float32)
         if head < H:
-            src = Q + row * sqb + head * sqh
+            src = Q + row * sqb + (head // R) * sqg + (head % R) * sqh
             dst = QOut + (row * H + head) * (2 * HALF)
         else:
             group = head - H
