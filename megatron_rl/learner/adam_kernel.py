@@ -12,11 +12,12 @@ where a launch per tensor would cost more host time than the GPU saves.
 The arithmetic is torch's fused AdamW's on the same device: fp32 elements with correctly rounded
 square roots and divisions (Triton's defaults are approximate), the bias corrections from each
 tensor's own step count (incremented here as torch does), decoupled weight decay, the gradient
-divided by ``grad_scale`` (learner/folded_step.py puts the token mean and the clip there). torch's
-two kernels differ, and each is followed where it runs: on a GPU every hyperparameter is rounded
-to fp32 first (1 - fp32(0.999) is 1.3e-5 off 0.001), the bias corrections are fp32 powers and the
-moments fused multiply-adds; on a CPU the bias corrections are float64. The optimizer state
-stays torch's (the same tensors), so checkpoints and ``load_state_dict`` see no difference.
+divided by ``grad_scale`` (learner/folded_step.py puts the token mean and the clip there). The bias
+corrections are float64 on either device; torch's two kernels differ in the rest, and each is
+followed where it runs: on a GPU the hyperparameters are rounded to fp32 (1 - fp32(0.999) is
+1.3e-5 off 0.001) and the decay and moments are fused multiply-adds, on a CPU they are plain
+fp32 products from float64 coefficients. The optimizer state stays torch's (the same tensors), so
+checkpoints and ``load_state_dict`` see no difference.
 
 Before its first use on a device the kernel is run once beside torch's fused AdamW on a small
 tensor (``agrees_with_torch``); if they differ, a warning says by how much and torch's step is
@@ -206,22 +207,18 @@ def _kernel():
         p = tl.load(P + offs, mask=mask, other=0.0, eviction_policy="evict_first")
         m = tl.load(M + offs, mask=mask, other=0.0, eviction_policy="evict_first")
         v = tl.load(V + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+        # The bias corrections in float64, as both of torch's kernels form them (1 - 0.999**step
+        # cancels most digits; fp32's approximate exponential left 1e-4 of relative error in it).
+        step = tl.load(Step).to(tl.float64)
+        step_size = (lr / (1.0 - tl.exp(step * log_beta1))).to(tl.float32)
+        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2)).to(tl.float32)
         if CUDA_ARITHMETIC:
-            # torch's CUDA kernel: every hyperparameter rounded to fp32 (these arguments are), the
-            # bias corrections from fp32 powers, the moments as fused multiply-adds.
-            step = tl.load(Step).to(tl.float32)
-            step_size = tl.div_rn(lr, 1.0 - tl.extra.libdevice.pow(beta1, step))
-            bias_correction2_sqrt = tl.sqrt_rn(1.0 - tl.extra.libdevice.pow(beta2, step))
+            # torch's CUDA kernel: the hyperparameters rounded to fp32 (these arguments are), the
+            # decay and the moments as fused multiply-adds.
             p = tl.fma(-(lr * weight_decay), p, p)
-            m = tl.fma(beta1, m, tl.fma(-beta1, g, g))
-            g2 = g * g
-            v = tl.fma(beta2, v, tl.fma(-beta2, g2, g2))
+            m = tl.fma(beta1, m, (1.0 - beta1) * g)
+            v = tl.fma(beta2, v, ((1.0 - beta2) * g) * g)
         else:
-            # torch's CPU kernel: the bias corrections in float64 (1 - 0.999**step cancels most
-            # digits; fp32's approximate exponential left 1e-4 of relative error in it).
-            step = tl.load(Step).to(tl.float64)
-            step_size = (lr / (1.0 - tl.exp(step * log_beta1))).to(tl.float32)
-            bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2)).to(tl.float32)
             p = p * decay_factor
             m = beta1 * m + one_minus_beta1 * g
             v = beta2 * v + one_minus_beta2 * g * g
