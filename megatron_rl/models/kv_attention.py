@@ -194,21 +194,18 @@ class EngineSelfAttention(SelfAttention):
     def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
                                         rotary_pos_cos=None, rotary_pos_sin=None, rotary_pos_cos_sin=None,
                                         sequence_len_offset=None, *, inference_params=None):
-        # A query in the fused projection's layout (get_query_key_value_tensors) that the fused
-        # rotation will not take gets megatron-core's layout after all (the copy it skipped).
-        if query.dim() == 5 and not (isinstance(inference_context, EngineKVContext) and rotary_pos_emb is not None
-                                     and inference_context.static_slot is not None
-                                     and self._rope_store_applies(query, *rotary_pos_emb)):
+        engine = isinstance(inference_context, EngineKVContext)
+        slot = inference_context.static_slot if engine else None
+        if slot is not None and rotary_pos_emb is not None and self._rope_store_applies(query, *rotary_pos_emb):
+            return self._rope_and_store(inference_context, query, key, value, rotary_pos_emb[0])
+        if query.dim() == 5:  # the fused projection's layout (get_query_key_value_tensors): reshape after all
             query = query.flatten(2, 3)
-        if not isinstance(inference_context, EngineKVContext):
+        if not engine:
             return super()._adjust_key_value_for_inference(
                 inference_context or inference_params, query, key, value, rotary_pos_emb, rotary_pos_cos,
                 rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset)
         if rotary_pos_emb is not None:
             q_pos_emb, k_pos_emb = rotary_pos_emb
-            slot = inference_context.static_slot
-            if slot is not None and self._rope_store_applies(query, q_pos_emb, k_pos_emb):
-                return self._rope_and_store(inference_context, query, key, value, q_pos_emb)
             if slot is not None:  # one new token per row, at a slot held on the device
                 q_pos_emb = inference_context.slot_rotary(q_pos_emb)
                 k_pos_emb = inference_context.slot_rotary(k_pos_emb)
