@@ -210,8 +210,16 @@ def _kernel():
         # The bias corrections in float64, as both of torch's kernels form them (1 - 0.999**step
         # cancels most digits; fp32's approximate exponential left 1e-4 of relative error in it).
         step = tl.load(Step).to(tl.float64)
-        step_size = (lr / (1.0 - tl.exp(step * log_beta1))).to(tl.float32)
-        bias_correction2_sqrt = tl.sqrt(1.0 - tl.exp(step * log_beta2)).to(tl.float32)
+        if CUDA_ARITHMETIC:
+            # torch's CUDA kernel raises the fp32-rounded betas to the step in float64: the exact
+            # betas' powers put one weight element in a thousand 1e-7 off it by the third step.
+            bias_correction1 = 1.0 - tl.extra.libdevice.pow(beta1.to(tl.float64), step)
+            bias_correction2 = 1.0 - tl.extra.libdevice.pow(beta2.to(tl.float64), step)
+        else:
+            bias_correction1 = 1.0 - tl.exp(step * log_beta1)
+            bias_correction2 = 1.0 - tl.exp(step * log_beta2)
+        step_size = (lr / bias_correction1).to(tl.float32)
+        bias_correction2_sqrt = tl.sqrt(bias_correction2).to(tl.float32)
         if CUDA_ARITHMETIC:
             # torch's CUDA kernel: the hyperparameters rounded to fp32 (these arguments are), the
             # decay and the moments as fused multiply-adds.
