@@ -1,4 +1,5 @@
-"""The static decode step's fused rotation and cache store (models/rope_store.py).
+"""The engine's fused rotations and cache stores (models/rope_store.py): a static decode step's and a
+window's (prefills, admissions).
 
 On a CPU its torch reference equals megatron-core's RoPE followed by the cache writes (and the
 engine's static step through it samples what the eager step samples: tests/test_static_decode.py);
@@ -98,3 +99,81 @@ print("interpreted rope_store ok")
 
 def test_triton_kernel_through_the_interpreter():
     run_interpreted(_INTERPRETED_CASES, "interpreted rope_store ok")
+
+
+def _window_case(slots: int, rows: int, heads: int, groups: int, dim: int, dtype, device="cpu", seed=0,
+                 grouped=False, cache_slots=50):
+    """A window of ``slots`` new slots per row: query, key and value as views of one fused projection
+    [slots, rows, ...] (the query reshaped as megatron-core does, or the grouped view), caches with
+    rows before and after the window's, the window's RoPE frequencies."""
+    gen = torch.Generator().manual_seed(seed)
+    per_group = heads // groups
+    mixed = torch.randn(slots, rows, groups, per_group + 2, dim, generator=gen).to(dtype)
+    query, key, value = mixed[:, :, :, :per_group], mixed[:, :, :, per_group], mixed[:, :, :, per_group + 1]
+    if not grouped:
+        query = query.reshape(slots, rows, heads, dim)
+    keys = torch.randn(rows + 3, groups, cache_slots, dim, generator=gen).to(dtype)
+    values = torch.randn(rows + 3, groups, cache_slots, dim, generator=gen).to(dtype)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    positions = torch.arange(5, 5 + slots, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    freqs = torch.cat((freqs, freqs), dim=-1)  # [slots, dim], megatron-core's [f, f] per head
+    return [t.to(device) for t in (query, key, value, freqs, keys, values)]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_window_reference_equals_megatron_rope_and_cache_writes(grouped):
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    query, key, value, freqs, keys, values = _window_case(6, 3, 6, 2, 16, torch.float64, grouped=grouped)
+    expected_keys, expected_values = keys.clone(), values.clone()
+    rotated = rs.rope_store_window_reference(query, key, value, torch.cos(freqs), torch.sin(freqs), keys, values,
+                                             first=2, start=5)
+    megatron = lambda t: _apply_rotary_pos_emb_bshd(t, freqs[:, None, None])  # [seq, b, h, d]
+    expected_keys[2:5, :, 5:11] = megatron(key).permute(1, 2, 0, 3)
+    expected_values[2:5, :, 5:11] = value.permute(1, 2, 0, 3)
+    torch.testing.assert_close(rotated, megatron(query.reshape(6, 3, 6, 16)).permute(1, 2, 0, 3), atol=1e-12, rtol=0)
+    assert rotated.is_contiguous() and rotated.shape == (3, 6, 6, 16)  # [rows, heads, slots, dim]
+    torch.testing.assert_close(keys, expected_keys, atol=1e-12, rtol=0)
+    assert torch.equal(values, expected_values)  # other rows and slots untouched
+
+
+@pytest.mark.skipif(not rs.fused_available(torch.device("cuda")), reason="needs a GPU with triton")
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("slots,rows,dim", [(512, 64, 128), (1, 256, 128), (45, 7, 64)])
+def test_window_kernel_computes_the_reference(slots, rows, dim, grouped):
+    query, key, value, freqs, keys, values = _window_case(slots, rows, 12, 2, dim, torch.bfloat16, device="cuda",
+                                                          grouped=grouped, cache_slots=slots + 20)
+    cos, sin = torch.cos(freqs).bfloat16(), torch.sin(freqs).bfloat16()
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = rs.rope_store_window_reference(query, key, value, cos, sin, ref_keys, ref_values, 1, 7)
+    out = rs.rope_store_window(query, key, value, cos, sin, keys, values, 1, 7)
+    assert torch.equal(out, expected) and torch.equal(keys, ref_keys) and torch.equal(values, ref_values)
+
+
+# A window longer than one program's block and a partial one; rows written after cache row 0; both
+# query layouts.
+_INTERPRETED_WINDOW_CASES = r"""
+import torch
+from megatron_rl.models import rope_store as rs
+from test_rope_store import _window_case
+
+for slots, rows, heads, groups, dim, dtype, grouped in [(40, 2, 6, 2, 64, torch.float32, False),
+                                                        (3, 3, 4, 4, 8, torch.float16, False),
+                                                        (33, 2, 6, 2, 16, torch.float32, True),
+                                                        (1, 2, 8, 2, 8, torch.float16, True)]:
+    query, key, value, freqs, keys, values = _window_case(slots, rows, heads, groups, dim, dtype, grouped=grouped)
+    cos, sin = torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
+    ref_keys, ref_values = keys.clone(), values.clone()
+    expected = rs.rope_store_window_reference(query, key, value, cos, sin, ref_keys, ref_values, 1, 4)
+    out = rs.rope_store_window(query, key, value, cos, sin, keys, values, 1, 4)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert out.shape == expected.shape and (out.float() - expected.float()).abs().max() <= tol, (slots, dim, dtype)
+    assert (keys.float() - ref_keys.float()).abs().max() <= tol, (slots, dim, dtype)
+    assert torch.equal(values, ref_values), (slots, dim, dtype)
+print("interpreted rope_store_window ok")
+"""
+
+
+def test_window_kernel_through_the_interpreter():
+    run_interpreted(_INTERPRETED_WINDOW_CASES, "interpreted rope_store_window ok")

@@ -97,7 +97,7 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
     static_tokens, static_logprobs, static_routing = _script(model, static=True)
     assert bool(stores) == (fused and not mla), len(stores)
     if stores:
-        normed = model.decoder.layers[0].self_attention.q_layernorm is not None
+        normed = not kv_attention._identity(model.decoder.layers[0].self_attention.q_layernorm)
         assert set(stores) == ({3} if normed else {4}), (family, set(stores))
     assert static_tokens == tokens
     assert (routing is None) == (not model.config.num_moe_experts)
@@ -106,6 +106,33 @@ def test_static_decode_step_samples_what_the_eager_step_samples(megatron_world, 
         assert all(np.array_equal(a, b) for a, b in zip(static_routing, routing))
     gap = (static_logprobs - logprobs).abs().max().item()
     print(f"{family}: {len(tokens)} tokens, static vs eager decode: max logprob gap {gap:.2e}")
+    assert gap <= 1e-5, gap
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_fused_window_rotation_samples_what_the_unfused_path_samples(megatron_world, monkeypatch, family):
+    """Prefills (padded rows), admissions (rows after the kept ones, slots after the offset) and
+    eager decode steps through the window's fused rotation and cache store (models/rope_store.py,
+    its torch reference here) sample what megatron-core's rotation and the cache's own writes
+    sample. Qwen2 hands it the query as the fused projection's view; Qwen3 (query norm) as
+    megatron-core's [sq, b, heads, dim]."""
+    from megatron_rl.models import kv_attention
+    from megatron_rl.models.kv_attention import EngineSelfAttention
+
+    model = _model(family)
+    tokens, logprobs, _ = _script(model, static=False)
+    monkeypatch.setattr(EngineSelfAttention, "rope_store_on_cpu", True)
+    windows = []
+    reference = kv_attention.rope_store_window_reference
+    monkeypatch.setattr(kv_attention, "rope_store_window_reference",
+                        lambda *a: windows.append((a[0].dim(), a[7], a[8])) or reference(*a))
+    fused_tokens, fused_logprobs, _ = _script(model, static=False)
+    layers = model.config.num_layers
+    assert {dim for dim, _, _ in windows} == ({4} if family == "qwen3" else {5})
+    # Every layer of the prefill, the two admissions (one at rows 2.. after slot 15) and the 50 decode steps.
+    assert len(windows) == layers * (3 + 50) and {(first, start) for _, first, start in windows} >= {(0, 0), (2, 15)}
+    assert fused_tokens == tokens
+    gap = (fused_logprobs - logprobs).abs().max().item()
     assert gap <= 1e-5, gap
 
 

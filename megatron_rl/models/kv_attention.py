@@ -38,12 +38,13 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.attention import SelfAttention, _yarn_get_concentration_factor_from_config
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 
 from .compiled_rope import cos_sin
 from .decode_attention import decode_attention, supports, triton_available
 from .rope_store import fused_available as rope_store_available
-from .rope_store import rope_store, rope_store_reference
+from .rope_store import rope_store, rope_store_reference, rope_store_window, rope_store_window_reference
 from .rope_store import supports as rope_store_supports
 
 logger = logging.getLogger(__name__)
@@ -51,14 +52,15 @@ logger = logging.getLogger(__name__)
 Cache = Tuple[torch.Tensor, torch.Tensor]
 
 
-class _StaticStep(threading.local):
-    """Whether this thread is inside a static decode step (``EngineKVContext.static_step``): the
-    engine's steps run on its compute thread, a colocated learner's forwards on another."""
+class _EngineForward(threading.local):
+    """Whether this thread is inside an ``EngineSelfAttention`` forward over the engine's cache (a
+    prefill, an admission or a decode step): the engine's forwards run on its compute thread, a
+    colocated learner's on another."""
 
     active = False
 
 
-_static_step = _StaticStep()
+_engine_forward = _EngineForward()
 
 
 class EngineKVContext(StaticInferenceContext):
@@ -83,12 +85,10 @@ class EngineKVContext(StaticInferenceContext):
         """Within: a static-shape decode step writing slot ``slot`` ([1] int64 on the device) and
         reading ``width`` slots."""
         self.static_slot, self.static_width = slot, width
-        _static_step.active = True
         try:
             yield
         finally:
             self.static_slot, self._slot_rotary = None, None
-            _static_step.active = False
 
     def slot_rotary(self, table: torch.Tensor) -> torch.Tensor:
         """``table``'s rows ([slots, 1, 1, dim] RoPE frequencies) at the static slot: one lookup per
@@ -168,19 +168,30 @@ class EngineKVContext(StaticInferenceContext):
 class EngineSelfAttention(SelfAttention):
     """SelfAttention whose inference cache holds rotated keys (see the module docstring)."""
 
-    # A static decode step rotates and stores through models/rope_store.py's Triton kernel on a
+    # Engine forwards rotate and store through models/rope_store.py's Triton kernels on a
     # GPU; tests set this to run its torch reference on a CPU.
     rope_store_on_cpu = False
-    rope_store_failed = False  # set by the first failure of the Triton kernel: torch ops from then on
+    rope_store_failed = False  # set by the first failure of a Triton kernel: torch ops from then on
+
+    def forward(self, *args, **kwargs):
+        context = kwargs.get("inference_context", kwargs.get("inference_params"))
+        if context is None and len(args) > 3:
+            context = args[3]
+        outer, _engine_forward.active = _engine_forward.active, isinstance(context, EngineKVContext)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            _engine_forward.active = outer
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
-        """In a static decode step: the query as a view of the fused projection,
+        """In a forward over the engine's cache: the query as a view of the fused projection,
         [sq, b, groups, heads per group, dim], instead of megatron-core's reshape of it to
-        [sq, b, heads, dim] (a copy per layer); the fused rotation reads it there
-        (``_rope_and_store``). Elsewhere, and where megatron-core does more to the query (norms,
-        an output gate, query groups split over tensor-parallel ranks), megatron-core's own."""
-        if not (_static_step.active and split_qkv and not output_gate and key_value_states is None
-                and self.q_layernorm is None and self.k_layernorm is None
+        [sq, b, heads, dim] (a copy per layer); the fused rotations read it there
+        (``_rope_and_store``, ``_rope_and_store_window``). Elsewhere, and where megatron-core does
+        more to the query (norms, an output gate, query groups split over tensor-parallel ranks),
+        megatron-core's own."""
+        if not (_engine_forward.active and split_qkv and not output_gate and key_value_states is None
+                and _identity(self.q_layernorm) and _identity(self.k_layernorm)
                 and self.config.num_query_groups >= self.world_size):
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
                                                        split_qkv=split_qkv)
@@ -196,8 +207,10 @@ class EngineSelfAttention(SelfAttention):
                                         sequence_len_offset=None, *, inference_params=None):
         engine = isinstance(inference_context, EngineKVContext)
         slot = inference_context.static_slot if engine else None
-        if slot is not None and rotary_pos_emb is not None and self._rope_store_applies(query, *rotary_pos_emb):
-            return self._rope_and_store(inference_context, query, key, value, rotary_pos_emb[0])
+        if engine and rotary_pos_emb is not None and self._rope_store_applies(query, *rotary_pos_emb):
+            if slot is not None:
+                return self._rope_and_store(inference_context, query, key, value, rotary_pos_emb[0])
+            return self._rope_and_store_window(inference_context, query, key, value, rotary_pos_emb[0])
         if query.dim() == 5:  # the fused projection's layout (get_query_key_value_tensors): reshape after all
             query = query.flatten(2, 3)
         if not engine:
@@ -219,30 +232,49 @@ class EngineSelfAttention(SelfAttention):
         return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
 
     def _rope_store_applies(self, query: torch.Tensor, q_pos_emb, k_pos_emb) -> bool:
-        """Whether a static step's rotation and cache store can be one fused call
-        (models/rope_store.py): the query and key share one frequency table over whole heads, not
-        interleaved, no attention scaling folded into the rotation (YaRN), the kernel available
-        (or ``rope_store_on_cpu``)."""
+        """Whether an engine forward's rotation and cache store can be one fused call
+        (models/rope_store.py, a static step's or a window's): the query and key share one
+        frequency table over whole heads, not interleaved, no attention scaling folded into the
+        rotation (YaRN), the kernel available (or ``rope_store_on_cpu``)."""
         return (q_pos_emb is k_pos_emb and q_pos_emb.size(-1) == query.size(-1) and rope_store_supports(query.size(-1))
                 and not self.config.rotary_interleaved and not self.config.multi_latent_attention
                 and _yarn_get_concentration_factor_from_config(self.config) == 1.0
                 and (rope_store_available(query.device) or self.rope_store_on_cpu))
+
+    def _fused_rope_store(self, fused, reference, *args) -> torch.Tensor:
+        """``fused`` (a Triton kernel of models/rope_store.py) on a GPU, ``reference`` (its torch ops)
+        where it cannot run or has failed once."""
+        if rope_store_available(args[0].device) and not EngineSelfAttention.rope_store_failed:
+            try:
+                return fused(*args)
+            except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation
+                logger.warning("triton RoPE and cache store failed (%s); using torch's kernels", exc)
+                EngineSelfAttention.rope_store_failed = True
+        return reference(*args)
+
+    def _rope_and_store_window(self, context: EngineKVContext, query, key, value, freqs):
+        """A prefill's (or an admission's) query and key rotated and the key and value stored in
+        the cache's window (slots from the context's offset, rows from its batch offset) in one
+        call. The query comes back rotated, as a [sq, b, heads, dim] view of the
+        [b, heads, sq, dim] tensor the fused attention reads without a copy."""
+        start, first = context.sequence_len_offset, context.batch_size_offset
+        end, rows = start + key.size(0), slice(first, first + key.size(1))
+        if end > context.max_sequence_length:
+            raise RuntimeError(f"KV cache of {context.max_sequence_length} slots is full")
+        cos, sin = cos_sin(freqs[start:end], 1.0, query.dtype)
+        keys, values = context.cache(self.layer_number, key, value)
+        rotated = self._fused_rope_store(rope_store_window, rope_store_window_reference, query, key, value,
+                                         cos.reshape(key.size(0), -1), sin.reshape(key.size(0), -1), keys,
+                                         values, first, start)
+        return rotated.permute(2, 0, 1, 3), keys[rows, :, :end], values[rows, :, :end], None, AttnMaskType.no_mask, None
 
     def _rope_and_store(self, context: EngineKVContext, query, key, value, freqs):
         """The static step's query and key rotated and the key and value stored at the step's slot
         in one call; the query comes back rotated (Megatron's forward then rotates nothing)."""
         cos, sin = cos_sin(context.slot_rotary(freqs), 1.0, query.dtype)
         keys, values = context.cache(self.layer_number, key, value)
-        args = (query[0], key[0], value[0], cos.reshape(-1), sin.reshape(-1), keys, values, context.static_slot)
-        rotated = None
-        if rope_store_available(query.device) and not EngineSelfAttention.rope_store_failed:
-            try:
-                rotated = rope_store(*args)
-            except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation
-                logger.warning("triton RoPE and cache store failed (%s); using torch's kernels", exc)
-                EngineSelfAttention.rope_store_failed = True
-        if rotated is None:  # the same arithmetic in torch ops
-            rotated = rope_store_reference(*args)
+        rotated = self._fused_rope_store(rope_store, rope_store_reference, query[0], key[0], value[0],
+                                         cos.reshape(-1), sin.reshape(-1), keys, values, context.static_slot)
         key, value = context.static_view(keys, values, key.size(1))
         return rotated.unsqueeze(0), key, value, None, AttnMaskType.no_mask, None
 
@@ -332,6 +364,12 @@ class CachedKVAttention(MegatronModule):
 
 # The last decode step's (mask, additive bias): see decode_bias.
 _decode_bias: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None)
+
+
+def _identity(norm) -> bool:
+    """Whether a query or key norm slot holds no norm (megatron-core's specs put an ``IdentityOp``
+    there, or None)."""
+    return norm is None or isinstance(norm, IdentityOp)
 
 
 def decode_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""A decode step's query and key rotation and its cache store, as one Triton kernel.
+"""The query and key rotation and the cache store of the engine's forwards, as one Triton kernel
+each: a decode step's (``rope_store``) and a prefill's (``rope_store_window``).
 
 In a static decode step (one new token per row, its cache slot held on the device) each layer
 otherwise runs five small kernels before its attention: RoPE on the query, RoPE on the key, an
@@ -17,6 +18,13 @@ interleaved), computed in fp32 and rounded once, as the compiled RoPE the unfuse
 (models/compiled_rope.py). ``rope_store_reference`` computes the same with torch ops on any
 device: CPU tests run the engine's static step through it, and compare the Triton kernel with it
 through Triton's interpreter (tests/test_rope_store.py).
+
+A prefill (or an admission's) forward writes a window of slots per row: there megatron-core's
+path ran, per layer, the query's reshape, RoPE on the query and on the key (compiled), the key's
+and the value's cache stores and, in torch's attention, the query's layout change: about seven
+launches moving the query's 400 MB four times at 256 prompts of 512 tokens. ``rope_store_window``
+reads the fused projection once and writes the rotated query in the [rows, heads, slots, dim]
+layout the fused attention reads, the rotated key and the value into the cache's window.
 """
 
 from __future__ import annotations
@@ -74,6 +82,47 @@ def rope_store(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos:
     return out
 
 
+def rope_store_window_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int,
+                                start: int) -> torch.Tensor:
+    """A window of new slots per row: query [new slots, rows, heads, dim] or
+    [new slots, rows, groups, heads per group, dim] (the fused projection's layout), key and value
+    [new slots, rows, groups, dim] (views; the last dimension contiguous), cos and sin
+    [new slots, dim] (the window's positions, scaled, in the model's dtype), the caches as in
+    ``rope_store_reference``. Stores the rotated key and the value at slots start.. of cache rows
+    first..; returns the rotated query as [rows, heads, new slots, dim], contiguous."""
+    slots, rows = key.shape[:2]
+    if query.dim() == 5:
+        query = query.flatten(2, 3)
+    cos, sin = cos[:, None, None], sin[:, None, None]
+    keys[first : first + rows, :, start : start + slots] = _rotate(key, cos, sin).permute(1, 2, 0, 3)
+    values[first : first + rows, :, start : start + slots] = value.permute(1, 2, 0, 3)
+    return _rotate(query, cos, sin).permute(1, 2, 0, 3).contiguous()
+
+
+# Slots per program of the window kernel: 32 x 128 features of a head, read and written once.
+WINDOW_BLOCK = 32
+
+
+def rope_store_window(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first: int,
+                      start: int) -> torch.Tensor:
+    """The Triton kernel (arguments and result as in ``rope_store_window_reference``)."""
+    grouped = query if query.dim() == 5 else query.unsqueeze(2)  # [slots, rows, groups, heads per group, dim]
+    slots, rows, _, per_group, dim = grouped.shape
+    heads, groups = grouped.size(2) * per_group, key.size(2)
+    out = torch.empty((rows, heads, slots, dim), dtype=query.dtype, device=query.device)
+    grid = (-(-slots // WINDOW_BLOCK), rows, heads + groups)
+    _window_kernel()[grid](
+        grouped, key, value, cos, sin, keys, values, out, slots, first, start,
+        grouped.stride(0), grouped.stride(1), grouped.stride(2), grouped.stride(3), key.stride(0), key.stride(1),
+        key.stride(2), value.stride(0), value.stride(1), value.stride(2), keys.stride(0), keys.stride(1),
+        keys.stride(2), values.stride(0), values.stride(1), values.stride(2), heads, per_group,
+        HALF=dim // 2, BLOCK=WINDOW_BLOCK, num_warps=4,
+    )
+    return out
+
+
 def fused_available(device: torch.device) -> bool:
     """Whether ``rope_store`` can run on ``device`` (a GPU, triton importable)."""
     return device.type == "cuda" and triton_available()
@@ -115,3 +164,44 @@ def _kernel():
         tl.store(dst + hi, (x_hi * cos_hi + x_lo * sin_hi).to(dst.dtype.element_ty))
 
     return rope_store_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _window_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rope_store_window_kernel(Q, K, V, Cos, Sin, KC, VC, QOut, S, first, start,
+                                 sqs, sqb, sqg, sqh, sks, skb, skg, svs, svb, svg, skcb, skcg, skcs,
+                                 svcb, svcg, svcs, H, R, HALF: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(1)
+        head = tl.program_id(2)  # 0..H-1: a query head; H..: a key group
+        pos = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        live = (pos < S)[:, None]
+        lo = tl.arange(0, HALF)[None, :]
+        hi = lo + HALF
+        at = pos[:, None] * (2 * HALF)
+        cos_lo = tl.load(Cos + at + lo, mask=live).to(tl.float32)
+        cos_hi = tl.load(Cos + at + hi, mask=live).to(tl.float32)
+        sin_lo = tl.load(Sin + at + lo, mask=live).to(tl.float32)
+        sin_hi = tl.load(Sin + at + hi, mask=live).to(tl.float32)
+        if head < H:
+            src = Q + pos[:, None] * sqs + row * sqb + (head // R) * sqg + (head % R) * sqh
+            dst = QOut + ((row * H + head).to(tl.int64) * S + pos[:, None]) * (2 * HALF)
+        else:
+            group = head - H
+            src = K + pos[:, None] * sks + row * skb + group * skg
+            slot = start + pos[:, None]
+            dst = KC + (first + row).to(tl.int64) * skcb + group * skcg + slot * skcs
+            v_src = V + pos[:, None] * svs + row * svb + group * svg
+            v_dst = VC + (first + row).to(tl.int64) * svcb + group * svcg + slot * svcs
+            tl.store(v_dst + lo, tl.load(v_src + lo, mask=live), mask=live)
+            tl.store(v_dst + hi, tl.load(v_src + hi, mask=live), mask=live)
+        x_lo = tl.load(src + lo, mask=live).to(tl.float32)
+        x_hi = tl.load(src + hi, mask=live).to(tl.float32)
+        # t * cos + rotate_half(t) * sin, rotate_half(t) = cat(-t_hi, t_lo)
+        tl.store(dst + lo, (x_lo * cos_lo - x_hi * sin_lo).to(dst.dtype.element_ty), mask=live)
+        tl.store(dst + hi, (x_hi * cos_hi + x_lo * sin_hi).to(dst.dtype.element_ty), mask=live)
+
+    return rope_store_window_kernel
