@@ -160,23 +160,25 @@ def test_non_streaming_requests_get_one_final_chunk(engine):
     assert len(chunks[0].token_ids) == len(chunks[0].logprobs) == len(chunks[0].versions) == 9
 
 
-def _stop_mixed_batch(engine):
+def _stop_mixed_batch(engine, stream: bool = True):
     """16 requests: 8 with a budget of 3 tokens (they end by length, or by a stop, within 3 steps,
-    so the batch compacts then), 8 with 30 tokens that stop tokens 3 and 5 end at scattered steps."""
+    so the batch compacts then), 8 with 30 tokens that stop tokens 3 and 5 end at scattered steps.
+    ``stream``: a chunk per step (recorded step by step) or one at the end (a burst's tokens
+    recorded per row at once)."""
     from megatron_rl.data.datasets import Prompt
     from megatron_rl.rollout.workflow import single_turn
 
     async def run():
         jobs = []
         for i in range(16):
-            params = SamplingParams(max_new_tokens=3 if i % 2 else 30, stop_token_ids=(3, 5))
+            params = SamplingParams(max_new_tokens=3 if i % 2 else 30, stop_token_ids=(3, 5), stream=stream)
             jobs.append(single_turn(engine, Prompt(f"r{i}", "", [1 + i % 7, 2 + i % 5, 9], ""), 0, params, f"r{i}"))
         return list(await asyncio.gather(*jobs))
 
     return asyncio.run(run())
 
 
-def _run_in_bursts(monkeypatch, weights: dict, burst: int, max_batch_size: int):
+def _run_in_bursts(monkeypatch, weights: dict, burst: int, max_batch_size: int, stream: bool = True):
     """``_stop_mixed_batch`` on an engine of ``max_batch_size`` rows decoding up to ``burst`` steps
     per hand-off: (trajectories, stats, [(requests waiting, steps) per hand-off])."""
     import megatron_rl.rollout.embedded.engine as engine_module
@@ -195,19 +197,23 @@ def _run_in_bursts(monkeypatch, weights: dict, burst: int, max_batch_size: int):
         return steps
 
     engine._decode_burst = counted
-    return _stop_mixed_batch(engine), engine.stats, handoffs
+    return _stop_mixed_batch(engine, stream), engine.stats, handoffs
 
 
-def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypatch):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_decode_bursts_sample_what_single_steps_sample(megatron_world, monkeypatch, stream):
     """The compute thread decodes several steps per hand-off; it must stop exactly where the
-    one-step loop would compact finished rows, or the rows (and the draws) would differ."""
+    one-step loop would compact finished rows, or the rows (and the draws) would differ. Whole
+    responses have a burst's tokens recorded per row at once, cut at a stop or the budget as
+    one step at a time cuts them."""
     weights = {}
-    single, single_stats, single_handoffs = _run_in_bursts(monkeypatch, weights, 1, 16)
-    burst, burst_stats, burst_handoffs = _run_in_bursts(monkeypatch, weights, 16, 16)
+    single, single_stats, single_handoffs = _run_in_bursts(monkeypatch, weights, 1, 16, stream)
+    burst, burst_stats, burst_handoffs = _run_in_bursts(monkeypatch, weights, 16, 16, stream)
     assert [t.response_ids for t in burst] == [t.response_ids for t in single]
     assert [t.logprobs for t in burst] == [t.logprobs for t in single]
     assert [t.finish_reason for t in burst] == [t.finish_reason for t in single]
-    assert "length" in {t.finish_reason for t in single}
+    assert {t.finish_reason for t in single} == {"length", "stop"}
+    assert burst_stats.tokens == single_stats.tokens
     assert single_stats.admit_s > 0 and burst_stats.admit_s > 0  # the batch was compacted (no newcomers)
     assert burst_stats.decode_steps == single_stats.decode_steps == len(single_handoffs)
     assert burst_stats.decode_rows == single_stats.decode_rows

@@ -118,10 +118,12 @@ def test_engine_decode_bench_prints_both_attentions():
 def test_engine_gpu_bench_runs_on_a_cpu():
     """The engine bench's CPU dry run at tiny_cpu's shape: the engine builds from the recipe's
     own options, generates with each sampler and attention slicing asked for, profiles (no kernels
-    to list on a CPU), and the run's time split, the table rows and the logprob gap print."""
+    to list on a CPU) and the host's time, and the run's time split, the table rows and the
+    logprob gap print."""
     out = subprocess.run([sys.executable, str(TOOLS / "bench/engine_gpu.py"), "--recipe", "tiny_cpu", "--batches", "4",
                           "--prompt-len", "8", "--new-tokens", "12", "--skip-hf", "--vocab", "64",
-                          "--sampler", "fused,torch", "--profile", "--decode-attention", "triton,triton:4"],
+                          "--sampler", "fused,torch", "--profile", "--host-profile",
+                          "--decode-attention", "triton,triton:4"],
                          capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "decode step at 4 rows by kind of kernel:" in out.stdout, out.stdout
@@ -129,6 +131,7 @@ def test_engine_gpu_bench_runs_on_a_cpu():
     assert {row[3] for row in rows} == {"on/triton", "on/triton/torch", "on/triton:4", "on/triton:4/torch"}, out.stdout
     assert all(float(row[4]) > 0 for row in rows), out.stdout
     assert "outside model calls" in out.stdout, out.stdout
+    assert out.stdout.count("host: batch profiled") == 4 and "_record" in out.stdout, out.stdout
     assert "logprob gap" in out.stdout and "max 0.000" in out.stdout, out.stdout
 
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import itertools
 import random
 import re
@@ -232,10 +233,10 @@ def weights_to_host(hf_model, m) -> List[Tuple[str, torch.Tensor]]:
 
 
 def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optional[Sequence[Tuple[str, torch.Tensor]]],
-               warmup_tokens: int = 4) -> Tuple[float, list]:
+               warmup_tokens: int = 4, host_profile: bool = False) -> Tuple[float, list]:
     """Push ``weights`` (None: keep the engine's own random ones), warm up at this batch, then
     time one batch of ``prompts``: (seconds, [(tokens, logprobs, routed experts or None)] per
-    prompt)."""
+    prompt). ``host_profile``: then ``profile_host`` (the engine's stats are then its last batch's)."""
     from megatron_rl.rollout.embedded.engine import EngineStats
     from megatron_rl.api.engine import whole_response
     from megatron_rl.types import SamplingParams
@@ -259,7 +260,12 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optio
         start = time.perf_counter()
         out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         synchronize()
-        return time.perf_counter() - start, out
+        took = time.perf_counter() - start
+        if host_profile:
+            stats = engine.stats
+            await profile_host(engine, prompts, params)
+            engine.stats = stats
+        return took, out
 
     return asyncio.run(go())
 
@@ -361,6 +367,53 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
     print(f"decode step at {len(prompts)} rows by kind of kernel:")
     for line in kinds_table([(e.key, e.device_time_total, e.count) for e in events], steps):
         print(line)
+
+
+async def profile_host(engine, prompts: List[List[int]], params, top: int = 25) -> None:
+    """Where the host's time outside model calls goes: one more batch as the table times it, then
+    one under cProfile (the event loop's thread only; the compute thread waits on the GPU), its
+    functions by own time. cProfile slows Python, so its run is longer than the first."""
+    import cProfile
+    import pstats
+
+    from megatron_rl.api.engine import whole_response
+    from megatron_rl.rollout.embedded.engine import EngineStats
+
+    profiler = cProfile.Profile()
+    collections: Dict[int, List[float]] = {0: [], 1: [], 2: []}  # Python's cyclic GC, per generation
+    started: List[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            collections[info["generation"]].append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
+    for tag in ("again", "profiled"):
+        engine.stats = EngineStats()
+        for spent in collections.values():
+            spent.clear()
+        synchronize()
+        start = time.perf_counter()
+        if tag == "profiled":
+            profiler.enable()
+        await asyncio.gather(*(whole_response(engine.generate(f"{tag}{i}", ids, params))
+                               for i, ids in enumerate(prompts)))
+        synchronize()
+        took = time.perf_counter() - start
+        profiler.disable()
+        st = engine.stats
+        print(f"host: batch {tag}: {took:.3f} s = prefill {st.prefill_s + st.admit_s:.3f} s + {st.decode_steps} "
+              f"decode steps {st.decode_s:.3f} s + outside model calls {took - st.compute_s:.3f} s; garbage "
+              "collections (any thread) by generation: " + ", ".join(
+                  f"{gen}: {len(spent)} in {1e3 * sum(spent):.1f} ms" for gen, spent in collections.items()), flush=True)
+    gc.callbacks.remove(on_gc)
+    stats = pstats.Stats(profiler)
+    rows = [(tt, ct, nc, f"{Path(fn).name}:{line} {name}") for (fn, line, name), (_, nc, tt, ct, _) in stats.stats.items()]
+    print(f"host: the profiled batch's event-loop functions by own time (top {top}): own s, cumulative s, calls")
+    for tt, ct, nc, where in sorted(rows, reverse=True)[:top]:
+        print(f"    {tt:8.4f} {ct:8.4f} {nc:7d} {where[:100]}")
 
 
 def hf_run(model, prompts: List[List[int]], new_tokens: int, runs: int = 2) -> List[float]:
@@ -481,6 +534,8 @@ def main() -> None:
                         help="attention width bucket of the decode graphs (0: decode_graphs.WIDTH_STEP)")
     parser.add_argument("--profile", action="store_true", help="profile the decode step at each batch")
     parser.add_argument("--profile-top", type=int, default=8, help="kernels listed per profiled batch")
+    parser.add_argument("--host-profile", action="store_true",
+                        help="after each run: one more batch timed, one under cProfile (the host's time)")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
     parser.add_argument("--sampler", default="fused",
                         help="fused | torch | fused,torch: plain sampling in Triton kernels "
@@ -554,7 +609,8 @@ def main() -> None:
                 options = {**engine_options(cfg), "cuda_graphs": graphs == "on"}
                 engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, **options)
                 device_memory(f"engine for batch {batch} built")
-                took, out = engine_run(engine, prompts[batch], args.new_tokens, weights, args.warmup_tokens)
+                took, out = engine_run(engine, prompts[batch], args.new_tokens, weights, args.warmup_tokens,
+                                       args.host_profile)
                 tokens = sum(len(t) for t, _, _ in out)
                 assert tokens == batch * args.new_tokens, tokens
                 st = engine.stats

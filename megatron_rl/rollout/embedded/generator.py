@@ -203,12 +203,14 @@ class KVCachedGenerator:
     def _left_pad(self, sequences: List[List[int]], width: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Tokens [m, width], each sequence right-aligned, and key padding [m, cache_len]: True at
         the cache slots before each sequence when the rows end at slot ``end``."""
-        tokens = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        padding = torch.zeros(len(sequences), self.cache_len, dtype=torch.bool)
+        # Filled in numpy, then one copy each: a torch.tensor per row took ~25 ms at 256 prompts
+        # of 512 tokens, time the GPU waits for before a prefill.
+        tokens = np.full((len(sequences), width), self.pad_id, dtype=np.int64)
+        padding = np.zeros((len(sequences), self.cache_len), dtype=np.bool_)
         for row, seq in enumerate(sequences):
-            tokens[row, width - len(seq) :] = torch.tensor(seq)
+            tokens[row, width - len(seq) :] = seq
             padding[row, : end - len(seq)] = True
-        return tokens.to(self.device), padding.to(self.device)
+        return torch.from_numpy(tokens).to(self.device), torch.from_numpy(padding).to(self.device)
 
     def _logits(self, tokens: torch.Tensor, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
         b, s = tokens.shape
