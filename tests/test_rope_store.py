@@ -132,8 +132,8 @@ def test_window_reference_equals_megatron_rope_and_cache_writes(grouped):
     megatron = lambda t: _apply_rotary_pos_emb_bshd(t, freqs[:, None, None])  # [seq, b, h, d]
     expected_keys[2:5, :, 5:11] = megatron(key).permute(1, 2, 0, 3)
     expected_values[2:5, :, 5:11] = value.permute(1, 2, 0, 3)
-    torch.testing.assert_close(rotated, megatron(query.reshape(6, 3, 6, 16)).permute(1, 2, 0, 3), atol=1e-12, rtol=0)
-    assert rotated.is_contiguous() and rotated.shape == (3, 6, 6, 16)  # [rows, heads, slots, dim]
+    torch.testing.assert_close(rotated, megatron(query.reshape(6, 3, 6, 16)), atol=1e-12, rtol=0)
+    assert rotated.is_contiguous() and rotated.shape == (6, 3, 6, 16)  # [slots, rows, heads, dim]
     torch.testing.assert_close(keys, expected_keys, atol=1e-12, rtol=0)
     assert torch.equal(values, expected_values)  # other rows and slots untouched
 

@@ -255,8 +255,7 @@ class EngineSelfAttention(SelfAttention):
     def _rope_and_store_window(self, context: EngineKVContext, query, key, value, freqs):
         """A prefill's (or an admission's) query and key rotated and the key and value stored in
         the cache's window (slots from the context's offset, rows from its batch offset) in one
-        call. The query comes back rotated, as a [sq, b, heads, dim] view of the
-        [b, heads, sq, dim] tensor the fused attention reads without a copy."""
+        call. The query comes back rotated, [sq, b, heads, dim] and contiguous."""
         start, first = context.sequence_len_offset, context.batch_size_offset
         end, rows = start + key.size(0), slice(first, first + key.size(1))
         if end > context.max_sequence_length:
@@ -266,7 +265,7 @@ class EngineSelfAttention(SelfAttention):
         rotated = self._fused_rope_store(rope_store_window, rope_store_window_reference, query, key, value,
                                          cos.reshape(key.size(0), -1), sin.reshape(key.size(0), -1), keys,
                                          values, first, start)
-        return rotated.permute(2, 0, 1, 3), keys[rows, :, :end], values[rows, :, :end], None, AttnMaskType.no_mask, None
+        return rotated, keys[rows, :, :end], values[rows, :, :end], None, AttnMaskType.no_mask, None
 
     def _rope_and_store(self, context: EngineKVContext, query, key, value, freqs):
         """The static step's query and key rotated and the key and value stored at the step's slot
