@@ -132,6 +132,7 @@ def test_engine_gpu_bench_runs_on_a_cpu():
     assert all(float(row[4]) > 0 for row in rows), out.stdout
     assert "outside model calls" in out.stdout, out.stdout
     assert out.stdout.count("host: batch profiled") == 4 and "_record" in out.stdout, out.stdout
+    assert out.stdout.count("measured batch:") == 4 and "garbage collections by generation: 0:" in out.stdout
     assert "logprob gap" in out.stdout and "max 0.000" in out.stdout, out.stdout
 
 

@@ -251,6 +251,7 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optio
         warm = SamplingParams(max_new_tokens=warmup_tokens, stream=False)
         await asyncio.gather(*(engine.generate_n([f"warm{i}"], p, warm) for i, p in enumerate(prompts)))
         engine.stats = EngineStats()  # the table's prefill and step times are the measured run's
+        collections = GarbageCollections()
 
         async def one(i, ids):
             response = await whole_response(engine.generate(f"r{i}", ids, params))
@@ -261,6 +262,8 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optio
         out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         synchronize()
         took = time.perf_counter() - start
+        collections.close()
+        print(f"measured batch: {took:.3f} s; {collections}", flush=True)
         if host_profile:
             stats = engine.stats
             await profile_host(engine, prompts, params)
@@ -369,6 +372,33 @@ def profile_decode(engine, prompts: List[List[int]], steps: int = 8, top: int = 
         print(line)
 
 
+class GarbageCollections:
+    """Python's cyclic garbage collections (any thread) while it is open, per generation: a full
+    collection walks every object the process holds, which the event loop waits for."""
+
+    def __init__(self):
+        self.spent: Dict[int, List[float]] = {0: [], 1: [], 2: []}
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started:
+            self.spent[info["generation"]].append(time.perf_counter() - self._started)
+
+    def clear(self) -> None:
+        for spent in self.spent.values():
+            spent.clear()
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def __str__(self) -> str:
+        return "garbage collections by generation: " + ", ".join(
+            f"{gen}: {len(spent)} in {1e3 * sum(spent):.1f} ms" for gen, spent in self.spent.items())
+
+
 async def profile_host(engine, prompts: List[List[int]], params, top: int = 25) -> None:
     """Where the host's time outside model calls goes: one more batch as the table times it, then
     one under cProfile (the event loop's thread only; the compute thread waits on the GPU), its
@@ -380,20 +410,10 @@ async def profile_host(engine, prompts: List[List[int]], params, top: int = 25) 
     from megatron_rl.rollout.embedded.engine import EngineStats
 
     profiler = cProfile.Profile()
-    collections: Dict[int, List[float]] = {0: [], 1: [], 2: []}  # Python's cyclic GC, per generation
-    started: List[float] = []
-
-    def on_gc(phase: str, info: dict) -> None:
-        if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started:
-            collections[info["generation"]].append(time.perf_counter() - started[0])
-
-    gc.callbacks.append(on_gc)
+    collections = GarbageCollections()
     for tag in ("again", "profiled"):
         engine.stats = EngineStats()
-        for spent in collections.values():
-            spent.clear()
+        collections.clear()
         synchronize()
         start = time.perf_counter()
         if tag == "profiled":
@@ -405,10 +425,9 @@ async def profile_host(engine, prompts: List[List[int]], params, top: int = 25) 
         profiler.disable()
         st = engine.stats
         print(f"host: batch {tag}: {took:.3f} s = prefill {st.prefill_s + st.admit_s:.3f} s + {st.decode_steps} "
-              f"decode steps {st.decode_s:.3f} s + outside model calls {took - st.compute_s:.3f} s; garbage "
-              "collections (any thread) by generation: " + ", ".join(
-                  f"{gen}: {len(spent)} in {1e3 * sum(spent):.1f} ms" for gen, spent in collections.items()), flush=True)
-    gc.callbacks.remove(on_gc)
+              f"decode steps {st.decode_s:.3f} s + outside model calls {took - st.compute_s:.3f} s; {collections}",
+              flush=True)
+    collections.close()
     stats = pstats.Stats(profiler)
     rows = [(tt, ct, nc, f"{Path(fn).name}:{line} {name}") for (fn, line, name), (_, nc, tt, ct, _) in stats.stats.items()]
     print(f"host: the profiled batch's event-loop functions by own time (top {top}): own s, cumulative s, calls")
