@@ -9,7 +9,9 @@ matmul of Qwen2-1.5B's decode step (``--hidden`` etc. for another shape), ``--la
 it replayed from one CUDA graph: microseconds per call for each BLAS library torch can prefer
 (``torch.backends.cuda.preferred_blas_library``), with the residual added in the matmul
 (``addmm``, what models/residual_in_matmul.py does for the output and down projections) where the
-engine does that, and with ``--compile`` inductor's autotuned Triton matmul (minutes of tuning).
+engine does that, with ``--compile`` inductor's autotuned Triton matmul (minutes of tuning), and
+with ``--splitk`` the split-K candidate of splitk_matmul.py at each configuration given (the
+fastest per matmul, which it names; checked against the fp32 reference first).
 The bound: the slower of the FLOPs at ``--tflops`` and the weight, input and output bytes at
 ``--tbs`` (the H200's measured peaks). The last line: the step's matmuls summed, per library.
 """
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_attention_gpu import step_ms  # noqa: E402 - the sibling benchmark's graph timer
 from engine_gpu import MEASURED_TBS, MEASURED_TFLOPS  # noqa: E402 - the engine bench's measured peaks
+from splitk_matmul import SplitConfig, splitk_matmul, splitk_reference  # noqa: E402
 
 
 def shapes(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, vocab: int) -> List[Tuple[str, int, int, bool, int]]:
@@ -50,6 +53,21 @@ def bound_us(rows: int, out: int, inp: int, tflops: float, tbs: float) -> float:
     return 1e6 * max(flops / (tflops * 1e12), moved / (tbs * 1e12))
 
 
+def split_us(x: torch.Tensor, weight: torch.Tensor, residual, configs, repeats: int):
+    """The fastest split-K configuration's microseconds per call, and the configuration. Each is
+    first checked against the fp32 reference (bf16 rounding apart)."""
+    expected = splitk_reference(x, weight, residual).float()
+    workspace = torch.empty(max(c.split for c in configs) * x.size(0) * weight.size(0), dtype=torch.float32,
+                            device=x.device)
+    timed = []
+    for config in configs:
+        got = splitk_matmul(x, weight, residual, config, workspace).float()
+        error = float((got - expected).abs().max() / expected.abs().max())
+        assert error < 1e-2, f"split-K {config}: relative error {error:.2e}"
+        timed.append((graph_us(lambda: splitk_matmul(x, weight, residual, config, workspace), repeats), str(config)))
+    return min(timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="256")
@@ -62,13 +80,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     parser.add_argument("--libraries", default="cublas,cublaslt")
     parser.add_argument("--compile", action="store_true", help="also inductor's max-autotune Triton matmul")
+    parser.add_argument("--splitk", default="", help="split-K configurations BMxBNxBKxSPLITxWARPSxSTAGES, "
+                                                     "comma-separated (e.g. 128x128x64x6x4x4): the fastest per matmul")
     parser.add_argument("--tflops", type=float, default=MEASURED_TFLOPS)
     parser.add_argument("--tbs", type=float, default=MEASURED_TBS)
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
-    columns = libraries + (["compiled"] if args.compile else [])
+    columns = libraries + (["compiled"] if args.compile else []) + (["splitk"] if args.splitk else [])
+    configs = [SplitConfig.parse(c) for c in args.splitk.split(",") if c]
     print(f"{'rows':>5} {'matmul':>8} {'out x in':>14} {'bound us':>9} "
           + " ".join(f"{c + ' us':>12} {'of bound':>8}" for c in columns))
     for rows in (int(r) for r in args.rows.split(",")):
@@ -98,6 +119,10 @@ def main() -> None:
                 us = graph_us(lambda: compiled(res, x, weight), repeats)
                 totals["compiled"] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}%")
+            if configs:
+                us, best = split_us(x, weight, res if residual else None, configs, repeats)
+                totals["splitk"] += calls * us
+                cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}% ({best})")
             print(f"{rows:>5} {name:>8} {f'{out}x{inp}':>14} {bound:>9.2f} " + " ".join(cells), flush=True)
         print(f"{rows:>5} {'step':>8} {'':>14} {total_bound / 1e3:>8.3f}m "
               + " ".join(f"{totals[c] / 1e3:>11.3f}m {100 * total_bound / totals[c]:>7.0f}%" for c in columns))

@@ -1,0 +1,114 @@
+"""A split-K matmul for the decode step's small projections, as a benchmark candidate.
+
+At 256 rows a projection to 1,536 features has 24 output tiles of 128 × 128 for 132 streaming
+multiprocessors: cuBLAS leaves the down projection at ~45 % of its bound and the output
+projection at ~23 % (docs/benchmarks.md). Here each output tile's K range is cut into ``split``
+pieces, one program each, which write fp32 partial sums; a second kernel adds them in a fixed
+order (so the result does not depend on which program finishes first), adds the residual and
+rounds once. ``tools/bench/decode_gemm_gpu.py --splitk`` times it against cuBLAS; the engine
+does not use it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+
+
+class SplitConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int
+    warps: int
+    stages: int
+
+    @classmethod
+    def parse(cls, spec: str) -> "SplitConfig":
+        """``BMxBNxBKxSPLITxWARPSxSTAGES``, e.g. ``128x128x64x6x4x4``."""
+        return cls(*(int(v) for v in spec.split("x")))
+
+    def __str__(self) -> str:
+        return "x".join(str(v) for v in self)
+
+
+def splitk_reference(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ residual [M, N]) in fp32, rounded once to x's dtype."""
+    out = x.float() @ weight.float().t()
+    if residual is not None:
+        out = out + residual.float()
+    return out.to(x.dtype)
+
+
+def splitk_matmul(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torch.Tensor], config: SplitConfig,
+                  workspace: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``splitk_reference``'s result from the two kernels. ``workspace``: fp32, at least
+    split × M × N elements (made here when None; a CUDA graph should pass its own)."""
+    m, k = x.shape
+    n = weight.size(0)
+    per_split = -(-k // config.split)
+    per_split = -(-per_split // config.block_k) * config.block_k  # whole K blocks per program
+    if workspace is None:
+        workspace = torch.empty(config.split * m * n, dtype=torch.float32, device=x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    _partial_kernel()[(tiles, config.split)](
+        x, weight, workspace, m, n, k, per_split, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, num_warps=config.warps, num_stages=config.stages)
+    block = 1024
+    _reduce_kernel()[(-(-m * n // block),)](
+        workspace, residual if residual is not None else out, out, m * n, SPLIT=config.split,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _partial_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitk_partial_kernel(X, W, Work, M, N, K, per_split, sxm, sxk, swn, swk,
+                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        tile = tl.program_id(0)
+        split = tl.program_id(1)
+        tiles_n = tl.cdiv(N, BN)
+        rows = (tile // tiles_n) * BM + tl.arange(0, BM)
+        cols = (tile % tiles_n) * BN + tl.arange(0, BN)
+        inner = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        start = split * per_split
+        end = tl.minimum(start + per_split, K)
+        for k in range(start, end, BK):
+            ks = k + inner
+            a = tl.load(X + rows[:, None] * sxm + ks[None, :] * sxk,
+                        mask=(rows[:, None] < M) & (ks[None, :] < end), other=0.0)
+            b = tl.load(W + cols[None, :] * swn + ks[:, None] * swk,
+                        mask=(cols[None, :] < N) & (ks[:, None] < end), other=0.0)
+            acc = tl.dot(a, b, acc)
+        offsets = split.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+        tl.store(Work + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+    return splitk_partial_kernel
+
+
+@functools.lru_cache(maxsize=1)
+def _reduce_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitk_reduce_kernel(Work, Residual, Out, MN, SPLIT: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        live = offsets < MN
+        acc = tl.load(Work + offsets, mask=live, other=0.0)
+        for s in tl.static_range(1, SPLIT):  # in split order: the same sum whichever program ended last
+            acc += tl.load(Work + s * MN + offsets, mask=live, other=0.0)
+        if HAS_RESIDUAL:
+            acc += tl.load(Residual + offsets, mask=live, other=0.0).to(tl.float32)
+        tl.store(Out + offsets, acc.to(Out.dtype.element_ty), mask=live)
+
+    return splitk_reduce_kernel
