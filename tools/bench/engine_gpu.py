@@ -662,7 +662,9 @@ def main() -> None:
     print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.preset or recipe} shape "
           f"{' '.join(overrides)}, vocab {vocab}, {m.dtype}, T=1, no stop token ({device}); roofline at "
           f"{PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBS} TB/s (datasheet); 'measured': the same roofline at the "
-          f"measured peaks ({MEASURED_TFLOPS:.0f} TFLOP/s, {MEASURED_TBS} TB/s)")
+          f"measured peaks ({MEASURED_TFLOPS:.0f} TFLOP/s, {MEASURED_TBS} TB/s)"
+          + ("" if "H200" in device else f"; these are an H200's peaks, not this {device}'s: its shares do not "
+             "describe this device"))
     print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs/decode':>15} {'engine tok/s':>12} {'prefill s':>9} "
           f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'vs 1st':>8} {'roofline tok/s':>13} {'of it':>6} "
           f"{'measured':>8}")
