@@ -110,6 +110,16 @@ class EngineKVContext(StaticInferenceContext):
         """What a static step's attention reads: ``rows`` rows, ``static_width`` slots."""
         return keys[:rows, :, : self.static_width], values[:rows, :, : self.static_width]
 
+    def window(self, key: torch.Tensor) -> Tuple[slice, int, int]:
+        """Where a forward's new ``key`` ([new slots, rows, groups, dim]) goes outside a static
+        step: its cache rows (from the batch offset), its first slot (the sequence offset) and the
+        slot after its last."""
+        start, first = self.sequence_len_offset, self.batch_size_offset
+        end = start + key.size(0)
+        if end > self.max_sequence_length:
+            raise RuntimeError(f"KV cache of {self.max_sequence_length} slots is full")
+        return slice(first, first + key.size(1)), start, end
+
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> Cache:
         """Store ``key`` (rotated) and ``value`` ([new slots, rows, groups, dim]) at the current
         offsets; return the rows' keys and values up to the last new slot, [rows, groups, slots, dim]."""
@@ -119,10 +129,7 @@ class EngineKVContext(StaticInferenceContext):
             keys[rows].index_copy_(2, self.static_slot, key.permute(1, 2, 0, 3))
             values[rows].index_copy_(2, self.static_slot, value.permute(1, 2, 0, 3))
             return self.static_view(keys, values, key.size(1))
-        start, first = self.sequence_len_offset, self.batch_size_offset
-        end, rows = start + key.size(0), slice(first, first + key.size(1))
-        if end > self.max_sequence_length:
-            raise RuntimeError(f"KV cache of {self.max_sequence_length} slots is full")
+        rows, start, end = self.window(key)
         keys[rows, :, start:end] = key.permute(1, 2, 0, 3)
         values[rows, :, start:end] = value.permute(1, 2, 0, 3)
         return keys[rows, :, :end], values[rows, :, :end]
@@ -256,15 +263,12 @@ class EngineSelfAttention(SelfAttention):
         """A prefill's (or an admission's) query and key rotated and the key and value stored in
         the cache's window (slots from the context's offset, rows from its batch offset) in one
         call. The query comes back rotated, [sq, b, heads, dim] and contiguous."""
-        start, first = context.sequence_len_offset, context.batch_size_offset
-        end, rows = start + key.size(0), slice(first, first + key.size(1))
-        if end > context.max_sequence_length:
-            raise RuntimeError(f"KV cache of {context.max_sequence_length} slots is full")
+        rows, start, end = context.window(key)
         cos, sin = cos_sin(freqs[start:end], 1.0, query.dtype)
         keys, values = context.cache(self.layer_number, key, value)
         rotated = self._fused_rope_store(rope_store_window, rope_store_window_reference, query, key, value,
                                          cos.reshape(key.size(0), -1), sin.reshape(key.size(0), -1), keys,
-                                         values, first, start)
+                                         values, rows.start, start)
         return rotated, keys[rows, :, :end], values[rows, :, :end], None, AttnMaskType.no_mask, None
 
     def _rope_and_store(self, context: EngineKVContext, query, key, value, freqs):
