@@ -401,8 +401,9 @@ class GarbageCollections:
 
 async def profile_host(engine, prompts: List[List[int]], params, top: int = 25) -> None:
     """Where the host's time outside model calls goes: one more batch as the table times it, then
-    one under cProfile (the event loop's thread only; the compute thread waits on the GPU), its
-    functions by own time. cProfile slows Python, so its run is longer than the first."""
+    one under cProfile, its functions by own time. On Python 3.12 the profile holds the compute
+    thread's functions too (its waits on the GPU lead the list). cProfile slows Python, so its
+    run is longer than the first."""
     import cProfile
     import pstats
 
@@ -430,7 +431,7 @@ async def profile_host(engine, prompts: List[List[int]], params, top: int = 25) 
     collections.close()
     stats = pstats.Stats(profiler)
     rows = [(tt, ct, nc, f"{Path(fn).name}:{line} {name}") for (fn, line, name), (_, nc, tt, ct, _) in stats.stats.items()]
-    print(f"host: the profiled batch's event-loop functions by own time (top {top}): own s, cumulative s, calls")
+    print(f"host: the profiled batch's functions by own time (top {top}): own s, cumulative s, calls")
     for tt, ct, nc, where in sorted(rows, reverse=True)[:top]:
         print(f"    {tt:8.4f} {ct:8.4f} {nc:7d} {where[:100]}")
 
