@@ -103,3 +103,78 @@ print("interpreted kernels ok")
 
 def test_triton_kernels_through_the_interpreter():
     run_interpreted(_INTERPRETED_CASES, "interpreted kernels ok")
+
+
+def _new_slot_case(rows: int, groups: int, per_group: int, slots: int, dim: int, dtype, device: str):
+    """A static step's inputs: the fused QKV projection's views (query [rows, groups, per_group,
+    dim], new key and value [rows, groups, dim]), RoPE's cos and sin at one position, a cache view
+    and the new token's slot inside it (later slots masked, some left padding)."""
+    gen = torch.Generator().manual_seed(3)
+    mixed = torch.randn(rows, groups, (per_group + 2) * dim, generator=gen).to(dtype).to(device)
+    query = mixed[..., : per_group * dim].unflatten(-1, (per_group, dim))
+    key, value = mixed[..., per_group * dim : (per_group + 1) * dim], mixed[..., (per_group + 1) * dim :]
+    angle = 37.0 * 10000.0 ** (-torch.arange(dim // 2).double() / (dim // 2))
+    cos, sin = (torch.cat([f(angle), f(angle)]).to(dtype).to(device) for f in (torch.cos, torch.sin))
+    cache = torch.randn(2, rows + 1, groups, slots + 9, dim, generator=gen).to(dtype).to(device)
+    keys, values = cache[0, :rows, :, :slots], cache[1, :rows, :, :slots]
+    current = slots - 6
+    masked = torch.zeros(rows, 1, 1, slots, dtype=torch.bool, device=device)
+    masked[..., current + 1:] = True
+    masked[0, ..., : current // 2] = True
+    bias = torch.zeros(masked.shape, dtype=dtype, device=device).masked_fill_(masked, float("-inf"))
+    slot = torch.tensor([current], device=device)
+    return query, key, value, cos, sin, cache, keys, values, bias, slot
+
+
+def _rotate_then_attend(query, key, value, cos, sin, cache, keys, values, bias, slot, scale, rotate):
+    """rope_store (``rotate``: its kernel or its torch reference) into a copy of the cache, then
+    the decode kernel on the rotated query: the unfused path. Returns (output, the cache)."""
+    from megatron_rl.models.rope_store import rope_store, rope_store_reference
+
+    cache = cache.clone()
+    rows, slots = keys.size(0), keys.size(2)
+    keys, values = cache[0, :rows, :, :slots], cache[1, :rows, :, :slots]
+    fn = rope_store if rotate == "kernel" else rope_store_reference
+    rotated = fn(query, key, value, cos, sin, keys, values, slot)
+    out = da.decode_attention(rotated.view(query.shape), keys, values, bias, scale)
+    return out, cache
+
+
+_INTERPRETED_NEW_SLOT = r"""
+import torch
+from megatron_rl.models import decode_attention as da
+from test_decode_attention import _new_slot_case, _rotate_then_attend
+
+default_target = da.TARGET_PROGRAMS
+for rows, groups, per_group, slots, dim in [(4, 2, 3, 130, 64), (3, 1, 1, 70, 16)]:
+    da.TARGET_PROGRAMS = default_target
+    assert da.rotates_in_kernel(rows, groups, slots) is False  # few rows: several slices
+    da.TARGET_PROGRAMS = 1  # one slice per row, where the kernel may rotate and store
+    assert da.rotates_in_kernel(rows, groups, slots)
+    query, key, value, cos, sin, cache, keys, values, bias, slot = _new_slot_case(
+        rows, groups, per_group, slots, dim, torch.float32, "cpu")
+    expected, expected_cache = _rotate_then_attend(query, key, value, cos, sin, cache, keys, values, bias, slot,
+                                                   0.3, "reference")
+    out = da.decode_attention(query, keys, values, bias, 0.3, da.NewSlot(key, value, cos, sin, slot))
+    assert torch.equal(cache, expected_cache), "the new key and value stored where rope_store stores them"
+    error = (out - expected).abs().max().item()
+    assert error < 5e-5, (rows, groups, per_group, slots, dim, error)
+print("interpreted new slot ok")
+"""
+
+
+def test_kernel_rotating_and_storing_the_new_slot_through_the_interpreter():
+    run_interpreted(_INTERPRETED_NEW_SLOT, "interpreted new slot ok")
+
+
+@pytest.mark.skipif(not da.triton_available(), reason="needs a GPU with triton")
+def test_kernel_rotating_the_new_slot_gives_the_unfused_bits_on_a_gpu():
+    """At the engine's shape (256 rows, 2 key groups of 6 heads, head dim 128, bf16) the fused
+    kernel's output and cache are bit for bit those of rope_store's kernel then the decode kernel."""
+    case = _new_slot_case(256, 2, 6, 640, 128, torch.bfloat16, "cuda")
+    query, key, value, cos, sin, cache, keys, values, bias, slot = case
+    assert da.rotates_in_kernel(256, 2, 640)
+    expected, expected_cache = _rotate_then_attend(*case, 0.088, "kernel")
+    out = da.decode_attention(query, keys, values, bias, 0.088, da.NewSlot(key, value, cos, sin, slot))
+    assert torch.equal(cache, expected_cache)
+    assert torch.equal(out, expected)

@@ -1,5 +1,5 @@
-"""The fused sampling kernel (rollout/sampling_kernel.py): exact draws from softmax(logits / T) and
-the logprob of each drawn token, in one read of the logits.
+"""The fused sampling kernels (rollout/sampling_kernel.py): exact draws from softmax(logits / T) and
+the logprob of each drawn token, in one read of the logits and a walk of one chunk.
 
 CI has no GPU: the kernel's own code runs through Triton's interpreter where triton is installed
 (the vLLM test phase), and compiled on a GPU. The same checks run both ways (``CHECKS``).
@@ -26,7 +26,7 @@ def check_logprobs(dtype):
     # 3 rows over 5,000 entries in chunks of 4,096: a full chunk and a ragged one.
     torch.manual_seed(0)
     logits = (3 * torch.randn(3, 5000)).to(dtype).to(DEVICE)
-    tokens, logprobs = sampling_kernel.sample(logits, 0.7, seed(11), chunk=4096, quarter=256)
+    tokens, logprobs = sampling_kernel.sample(logits, 0.7, seed(11), chunk=4096, block=256)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert bool(((tokens >= 0) & (tokens < 5000)).all()), tokens
     reference = torch.log_softmax(logits.double() / 0.7, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
@@ -35,23 +35,23 @@ def check_logprobs(dtype):
 
 
 def check_distribution():
-    # ROWS rows of the same 7 logits, in chunks of 4 entries (so each row's draw spans two programs
-    # and the combine) and quarters of 1: the counts of the drawn ids against softmax(x / T) by a
-    # chi-square test (6 degrees of freedom; 22.46 is its 0.1 % tail). A kernel that drops the
-    # temperature (expected chi-square ~120 at 400 rows), flips the noise's sign, keeps one
-    # chunk's winner or reuses one row's noise for all rows fails it.
+    # ROWS rows of the same 7 logits, in chunks of 2 entries walked a lane at a time (so each row's
+    # draw spans four programs, the pick among them and a walk): the counts of the drawn ids
+    # against softmax(x / T) by a chi-square test (6 degrees of freedom; 22.46 is its 0.1 % tail).
+    # A kernel that drops the temperature (expected chi-square ~120 at 400 rows), walks the wrong
+    # chunk, picks an entry one off or reuses one row's uniform for all rows fails it.
     rows, temperature = ROWS, 3.0
     row = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -0.5])
     logits = row.repeat(rows, 1).to(DEVICE)
-    tokens, _ = sampling_kernel.sample(logits, temperature, seed(2024), chunk=4, quarter=1)
+    tokens, _ = sampling_kernel.sample(logits, temperature, seed(2024), chunk=2, block=1)
     counts = torch.bincount(tokens.cpu(), minlength=7).double()
     expected = rows * torch.softmax(row.double() / temperature, dim=0)
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 22.46, (chi2, counts.tolist(), expected.tolist())
-    # The same seed draws the same tokens, whatever the chunk; another seed others.
-    again, _ = sampling_kernel.sample(logits[:50], temperature, seed(2024), chunk=8, quarter=1)
+    # The same seed draws the same tokens, whatever the chunk and the lanes; another seed others.
+    again, _ = sampling_kernel.sample(logits[:50], temperature, seed(2024), chunk=8, block=4)
     assert torch.equal(again, tokens[:50])
-    other, _ = sampling_kernel.sample(logits[:50], temperature, seed(2025), chunk=4, quarter=1)
+    other, _ = sampling_kernel.sample(logits[:50], temperature, seed(2025), chunk=2, block=1)
     assert not torch.equal(other, tokens[:50])
 
 
@@ -62,7 +62,7 @@ def check_masked_entries():
     logits[1, 10], logits[1, 4999] = 0.0, 0.0
     logits = logits.to(DEVICE)
     for value in range(8):
-        tokens, logprobs = sampling_kernel.sample(logits, 1.0, seed(value), chunk=4096, quarter=512)
+        tokens, logprobs = sampling_kernel.sample(logits, 1.0, seed(value), chunk=4096, block=512)
         assert int(tokens[0]) in (4500, 4700) and int(tokens[1]) in (10, 4999), tokens
         reference = torch.log_softmax(logits.double(), dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
         assert (logprobs.double() - reference).abs().max().item() < 1e-6

@@ -117,13 +117,13 @@ def test_engine_decode_bench_prints_both_attentions():
 
 def test_engine_gpu_bench_runs_on_a_cpu():
     """The engine bench's CPU dry run at tiny_cpu's shape: the engine builds from the recipe's
-    own options, generates with each sampler and attention slicing asked for, profiles (no kernels
-    to list on a CPU) and the host's time, and the run's time split, the table rows and the
-    logprob gap print."""
+    own options, generates with each sampler and attention slicing asked for, times two batches
+    each (the median in the table), profiles (no kernels to list on a CPU) and the host's time,
+    and the run's time split, the table rows and the logprob gap print."""
     out = subprocess.run([sys.executable, str(TOOLS / "bench/engine_gpu.py"), "--recipe", "tiny_cpu", "--batches", "4",
                           "--prompt-len", "8", "--new-tokens", "12", "--skip-hf", "--vocab", "64",
                           "--sampler", "fused,torch", "--profile", "--host-profile",
-                          "--decode-attention", "triton,triton:4"],
+                          "--decode-attention", "triton,triton:4", "--repeats", "2"],
                          capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "decode step at 4 rows by kind of kernel:" in out.stdout, out.stdout
@@ -132,7 +132,9 @@ def test_engine_gpu_bench_runs_on_a_cpu():
     assert all(float(row[4]) > 0 for row in rows), out.stdout
     assert "outside model calls" in out.stdout, out.stdout
     assert out.stdout.count("host: batch profiled") == 4 and "_record" in out.stdout, out.stdout
-    assert out.stdout.count("measured batch:") == 4 and "garbage collections by generation: 0:" in out.stdout
+    assert out.stdout.count("measured batch 2 of 2:") == 4 and "garbage collections by generation: 0:" in out.stdout
+    assert out.stdout.count("measured batches: median") == 4, out.stdout
+    assert "roofline 'measured' at an H200's measured peaks (803 TFLOP/s, 4.3 TB/s), not this CPU's" in out.stdout
     assert "logprob gap" in out.stdout and "max 0.000" in out.stdout, out.stdout
 
 
@@ -173,7 +175,8 @@ def test_learner_gpu_bench_flop_formula_by_hand():
 
 def test_decode_gemm_bench_covers_the_step_matmuls():
     """tools/bench/decode_gemm_gpu.py's matmuls at Qwen2-1.5B's shape are the step's matmul
-    weights: every layer's four and the LM head once, as model_size counts them."""
+    weights: every layer's four and the LM head once, as model_size counts them (the down
+    projection counted once: as ``fc2+act``, the plain ``fc2`` row shown but not summed)."""
     sys.path.insert(0, str(TOOLS / "bench"))
     from decode_gemm_gpu import bound_us, shapes
     from model_size import matmul_params
@@ -182,9 +185,10 @@ def test_decode_gemm_bench_covers_the_step_matmuls():
 
     m = load_config("gsm8k_qwen2_gpu", ["trainer.progress=false"]).model
     table = shapes(m.hidden_size, m.num_attention_heads, m.num_query_groups, m.hidden_size // m.num_attention_heads,
-                   m.ffn_hidden_size, 151936)
-    weights = sum(out * inp * (m.num_layers * per_layer or 1) for _, out, inp, _, per_layer in table)
+                   m.ffn_hidden_size, 151936, m.num_layers)
+    weights = sum(out * inp * calls for _, out, inp, _, calls in table)
     assert weights == matmul_params(m, 151936)
+    assert [name for name, *_, calls in table if calls == 0] == ["fc2"]
     # 256 rows of the output projection: compute-bound (1.21 GFLOP at 803 TFLOP/s = 1.50 us).
     assert abs(bound_us(256, 1536, 1536, 803, 4.3) - 2 * 256 * 1536 ** 2 / 803e6) < 1e-9
 

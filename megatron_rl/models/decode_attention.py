@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
@@ -69,6 +69,18 @@ def supports(head_dim: int, per_group: int) -> bool:
     return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0 and per_group <= 128
 
 
+class NewSlot(NamedTuple):
+    """A static decode step's new token, for the kernel to rotate and store before it attends
+    (``decode_attention``'s ``new``): its key and value [rows, groups, dim] (views, the last
+    dimension contiguous), RoPE's cos and sin [dim] at its position, and its cache slot ([1] int64
+    on the device)."""
+    key: torch.Tensor
+    value: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slot: torch.Tensor
+
+
 def split_plan(rows: int, groups: int, slots: int) -> Tuple[int, int]:
     """(slices, slots per slice): enough programs for the GPU, each slice a whole number of blocks."""
     blocks = -(-slots // BLOCK_SLOTS)
@@ -103,20 +115,35 @@ def split_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch.
     return (numerator / denominator).to(query.dtype)
 
 
+def rotates_in_kernel(rows: int, groups: int, slots: int) -> bool:
+    """Whether ``decode_attention`` can take a ``NewSlot`` at this shape: one slice per (row, key
+    group), so the program that stores a row's new key is the only one reading that row's cache."""
+    return split_plan(rows, groups, slots)[0] == 1
+
+
 def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, new: Optional[NewSlot] = None) -> torch.Tensor:
     """The Triton kernels (shapes as in ``split_decode_reference``; key and value may be views with
-    any batch and group strides, the last dimension contiguous)."""
+    any batch and group strides, the last dimension contiguous). With ``new`` (where
+    ``rotates_in_kernel``): the query comes unrotated (any strides, the last dimension
+    contiguous, e.g. a view of the fused QKV projection) and each program first does what
+    models/rope_store.py's ``rope_store`` does for its row and group (the query heads and the new
+    key rotated in fp32 and rounded once, the key and value stored at the slot of ``key`` and
+    ``value``'s cache), then attends: the same result, one launch fewer per layer."""
     kernels = _kernels()
     b, g, r, d = query.shape
     slots = key.size(2)
     slices, per_slice = split_plan(b, g, slots)
-    query = query.contiguous()
+    if new is None:
+        query = query.contiguous()
+    else:
+        assert slices == 1, "a NewSlot needs one slice per (row, key group): see rotates_in_kernel"
+        assert query.stride(3) == 1 and new.key.stride(2) == 1 and new.value.stride(2) == 1
     bias = bias.reshape(b, slots)
     if bias.stride(1) != 1:
         bias = bias.contiguous()
     r_pad = max(16, 1 << (r - 1).bit_length())
-    out = torch.empty_like(query)
+    out = torch.empty((b, g, r, d), dtype=query.dtype, device=query.device)
     if slices == 1:  # the split kernel normalises and writes ``out``; the partial buffers go unused
         part_max = part_sum = part_acc = out
     else:
@@ -130,7 +157,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         bias.stride(0), g, slots, per_slice, scale,
-        R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices,
+        *(new if new is not None else (query,) * 5),  # unread without ROPE
+        *((new.key.stride(0), new.key.stride(1), new.value.stride(0), new.value.stride(1)) if new is not None
+          else (0, 0, 0, 0)),
+        R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices, ROPE=new is not None,
     )
     if slices > 1:
         kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
@@ -146,8 +176,9 @@ def _kernels():
     def attention_split_kernel(Q, K, V, Bias, PartMax, PartSum, PartAcc, Out,
                                sqb, sqg, sqr, skb, skg, sks, svb, svg, svs, sbb,
                                G, slots, per_slice, scale,
+                               NewK, NewV, Cos, Sin, Slot, snkb, snkg, snvb, snvg,
                                R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                               SLICES: tl.constexpr):
+                               SLICES: tl.constexpr, ROPE: tl.constexpr):
         bg = tl.program_id(0)
         part = tl.program_id(1)
         b = bg // G
@@ -155,15 +186,36 @@ def _kernels():
         offs_r = tl.arange(0, R_PAD)
         offs_d = tl.arange(0, D)
         offs_n = tl.arange(0, BLOCK_N)
-        q = tl.load(Q + b * sqb + g * sqg + offs_r[:, None] * sqr + offs_d[None, :],
-                    mask=offs_r[:, None] < R, other=0.0)
+        q_at = Q + b * sqb + g * sqg + offs_r[:, None] * sqr
+        q = tl.load(q_at + offs_d[None, :], mask=offs_r[:, None] < R, other=0.0)
+        k_base = K + b.to(tl.int64) * skb + g * skg
+        v_base = V + b.to(tl.int64) * svb + g * svg
+        if ROPE:
+            # rope_store's rotation, t * cos + rotate_half(t) * sin over whole heads, written as
+            # its two halves are (x_lo * cos - x_hi * sin, x_hi * cos + x_lo * sin): the same
+            # fp32 arithmetic, rounded once, so the rotated query and key are rope_store's bits.
+            half = D // 2
+            partner = (offs_d + half) % D
+            low = offs_d < half
+            cos = tl.load(Cos + offs_d).to(tl.float32)
+            sin = tl.load(Sin + offs_d).to(tl.float32)
+            qf = q.to(tl.float32)
+            qp = tl.load(q_at + partner[None, :], mask=offs_r[:, None] < R, other=0.0).to(tl.float32)
+            q = tl.where(low[None, :], qf * cos[None, :] - qp * sin[None, :],
+                         qf * cos[None, :] + qp * sin[None, :]).to(Q.dtype.element_ty)
+            k_at = NewK + b * snkb + g * snkg
+            kf = tl.load(k_at + offs_d).to(tl.float32)
+            kp = tl.load(k_at + partner).to(tl.float32)
+            k_new = tl.where(low, kf * cos - kp * sin, kf * cos + kp * sin)
+            slot = tl.load(Slot)
+            tl.store(k_base + slot * sks + offs_d, k_new.to(K.dtype.element_ty))
+            tl.store(v_base + slot * svs + offs_d, tl.load(NewV + b * snvb + g * snvg + offs_d))
+            tl.debug_barrier()  # the stores above are read back by the loop below (other threads)
         m = tl.full([R_PAD], float("-inf"), tl.float32)
         s_sum = tl.zeros([R_PAD], tl.float32)
         acc = tl.zeros([R_PAD, D], tl.float32)
         start = part * per_slice
         end = tl.minimum(start + per_slice, slots)
-        k_base = K + b.to(tl.int64) * skb + g * skg
-        v_base = V + b.to(tl.int64) * svb + g * svg
         for n0 in range(start, end, BLOCK_N):
             n = n0 + offs_n
             inside = n < end

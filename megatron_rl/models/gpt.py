@@ -17,6 +17,7 @@ from ..config.schema import ModelConfig
 from .cpu_patches import apply_cpu_patches, cuda_available
 from .families import get_family
 from .residual_in_matmul import residual_in_matmul_without_grad
+from .rms_norm import triton_norms_without_grad
 from .rope import use_llama3_rope
 from .thread_safety import make_thread_safe
 
@@ -236,6 +237,7 @@ def build_gpt_model(cfg: ModelConfig, vocab_size: int, tp: int = 1, pp: int = 1,
     if kv_attention:
         bias_in_matmul_without_grad(model)
         residual_in_matmul_without_grad(model)
+        triton_norms_without_grad(model)
     if post_process and not config.sequence_parallel:
         batch_major_logits(model.output_layer)
     if cuda_available():

@@ -42,7 +42,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 
 from .compiled_rope import cos_sin
-from .decode_attention import decode_attention, supports, triton_available
+from .decode_attention import NewSlot, decode_attention, rotates_in_kernel, supports, triton_available
 from .rope_store import fused_available as rope_store_available
 from .rope_store import rope_store, rope_store_reference, rope_store_window, rope_store_window_reference
 from .rope_store import supports as rope_store_supports
@@ -273,13 +273,31 @@ class EngineSelfAttention(SelfAttention):
 
     def _rope_and_store(self, context: EngineKVContext, query, key, value, freqs):
         """The static step's query and key rotated and the key and value stored at the step's slot
-        in one call; the query comes back rotated (Megatron's forward then rotates nothing)."""
+        in one call; the query comes back rotated (Megatron's forward then rotates nothing). Where
+        the Triton decode attention can do that itself (``_attention_rotates``), the query comes
+        back unrotated, as [1, rows, groups, heads per group, dim], and the core attention is
+        handed the new slot to rotate and store before it attends (one launch fewer per layer)."""
         cos, sin = cos_sin(context.slot_rotary(freqs), 1.0, query.dtype)
         keys, values = context.cache(self.layer_number, key, value)
-        rotated = self._fused_rope_store(rope_store, rope_store_reference, query[0], key[0], value[0],
-                                         cos.reshape(-1), sin.reshape(-1), keys, values, context.static_slot)
+        new = NewSlot(key[0], value[0], cos.reshape(-1), sin.reshape(-1), context.static_slot)
+        if self._attention_rotates(query, key, context.static_width):
+            self.core_attention.new_slot = new
+            key, value = context.static_view(keys, values, key.size(1))
+            grouped = query if query.dim() == 5 else query.unflatten(-2, (key.size(1), -1))
+            return grouped, key, value, None, AttnMaskType.no_mask, None
+        rotated = self._fused_rope_store(rope_store, rope_store_reference, query[0], *new[:4], keys, values,
+                                         new.slot)
         key, value = context.static_view(keys, values, key.size(1))
         return rotated.unsqueeze(0), key, value, None, AttnMaskType.no_mask, None
+
+    def _attention_rotates(self, query: torch.Tensor, key: torch.Tensor, width: int) -> bool:
+        """Whether this static step's core attention is the Triton decode kernel at a shape where
+        it can rotate and store the new slot itself (``decode_attention.rotates_in_kernel``)."""
+        rows, groups, dim = key.size(1), key.size(2), query.size(-1)
+        return (isinstance(self.core_attention, CachedKVAttention) and self.core_attention.decode_kernel == "triton"
+                and query.is_cuda and triton_available() and not EngineSelfAttention.rope_store_failed
+                and supports(dim, self.num_attention_heads_per_partition // groups)
+                and rotates_in_kernel(rows, groups, width))
 
 
 class CachedKVAttention(MegatronModule):
@@ -301,8 +319,16 @@ class CachedKVAttention(MegatronModule):
         # number and multiplies them back inside its softmax: the net scale is this one.
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.kv_channels ** -0.5
 
+    # A static step's new slot, when its attention module left the rotation and store to the
+    # decode kernel (EngineSelfAttention._rope_and_store): the query then comes unrotated,
+    # [1, rows, groups, heads per group, dim]. Taken by the next forward.
+    new_slot: Optional[NewSlot] = None
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        new, self.new_slot = self.new_slot, None
+        if new is not None:
+            return self._rotating_decode(query[0], key, value, attention_mask, new)
         sq, b, heads, dim = query.shape
         groups = key.size(1)
         if query.is_cuda or self.fused_on_cpu:
@@ -339,6 +365,20 @@ class CachedKVAttention(MegatronModule):
                 CachedKVAttention.decode_kernel = "sdpa"
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=self.softmax_scale)
         return out.reshape(1, b, heads * dim)
+
+    def _rotating_decode(self, query, key, value, attention_mask, new: NewSlot):
+        """The Triton decode kernel rotating the query and the new key and storing the new key and
+        value itself (query [rows, groups, heads per group, dim], unrotated). If it fails: the
+        rotation and store by torch ops, then torch's fused attention."""
+        b, groups, per_group, dim = query.shape
+        bias = decode_bias(attention_mask, query.dtype)
+        try:
+            return decode_attention(query, key, value, bias, self.softmax_scale, new).reshape(1, b, -1)
+        except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation
+            logger.warning("triton decode attention failed (%s); using torch's kernels", exc)
+            CachedKVAttention.decode_kernel = "sdpa"
+        rotated = rope_store_reference(query, *new[:4], key, value, new.slot)  # the slot is inside the view
+        return self._fused_decode(rotated.unsqueeze(0), key, value, attention_mask)
 
     def _fused_prefill(self, query, key, value, attention_mask):
         """A prefill on a GPU: torch's fused attention kernel, blockwise, instead of materialising

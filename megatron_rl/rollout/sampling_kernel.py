@@ -1,17 +1,22 @@
 """Two Triton kernels for a decode step's plain sampling (temperature only): token and logprob
-in one read of the logits (GPU).
+in one read of the logits and a short walk of one chunk of them (GPU).
 
 At batch 256 and a 152k vocabulary the logits are 78 MB in bf16. The compiled torch path
 (``sampling.draw_tempered``) first writes an fp32 Exp(1) noise tensor twice their size with the
-engine's generator, then reads both back: ~0.3 ms of a ~4.1 ms decode step on an H200, several
-times what one read of the logits costs at the card's bandwidth. Here each program takes one
-chunk of one row and keeps an online log-sum-exp of x = logits / T (for the logprob) and the
-running Gumbel-max argmax(x + G), G = -log(-log(u)), with u drawn in the kernel by Triton's
-counter-based Philox generator (four uniforms per Philox call): argmax(x + G) is an exact draw
-from softmax(x), as the exponential race of ``torch.multinomial`` is; no noise tensor exists. A
-second kernel combines each row's chunks (max, rescaled sums, the best score's token). Chunks
-keep the GPU full at small batches and spread the per-entry work (a Philox draw, two logarithms
-and an exponential), which bounds this, not the bytes read.
+engine's generator, then reads both back: ~0.3 ms of a ~4.1 ms decode step on an H200. A Gumbel-max
+kernel that draws the noise itself (one Philox share, two logarithms and an exponential per entry)
+still spent 0.17 ms on an H100, bound by that arithmetic, not by the bytes. Here the draw inverts
+the softmax's cumulative distribution instead, with one uniform per row:
+
+- the first kernel's programs each take one chunk of one row and keep an online max and sum of
+  exp(x - max) of x = logits / T (one exponential per entry, bound by the read);
+- the second kernel's program per row rescales its chunks' sums to the row's max M (their total S
+  is the softmax's denominator, the logprob x - M - log S), draws u from Triton's counter-based
+  Philox generator, finds the chunk where the running sum of the chunks passes u · S, and walks
+  that chunk's entries to the one where it passes.
+
+That entry is an exact draw from softmax(x) up to fp32 rounding of the running sums (as
+``torch.multinomial``'s own cumulative sums), and -inf entries (probability 0) are never drawn.
 
 The Philox seed is one int64 drawn per call from the engine's ``torch.Generator`` on the device
 (no host sync), so a run is reproducible from its seed and the generator's saved state still
@@ -33,14 +38,14 @@ from ..models.decode_attention import triton_runs_on
 
 logger = logging.getLogger(__name__)
 
-# Vocabulary entries per program (a 152k row is 10 chunks: 2,560 programs at batch 256) and per
-# Philox call's share (each call gives four uniforms, for four runs of QUARTER entries).
-CHUNK = 16384
-QUARTER = 1024
+# Vocabulary entries per program of the first kernel (a 152k row is 38 chunks: 9,728 programs at
+# batch 256), which is also how far the second kernel walks; lanes per program.
+CHUNK = 4096
+BLOCK = 1024
 # The running max before a chunk's first entries: finite, below any logit (so exp(m_old - m_new)
 # is 0, not NaN, when they are all -inf).
 _FLOOR = -1.0e30
-# Philox offsets are row * vocab + column in int32.
+# Entry ids are int32.
 _MAX_ENTRIES = 2**31 - 1
 # False keeps the torch path everywhere (tools/bench/engine_gpu.py --sampler compares the two).
 ENABLED = True
@@ -60,7 +65,7 @@ def agrees_with_torch(device: torch.device) -> bool:
     masked entry (checked once per device: a safeguard for a triton or GPU the tests never ran
     on). If not, or if it fails to compile, a warning says why and sampling keeps the torch path."""
     gen = torch.Generator(device="cpu").manual_seed(0)
-    logits = 4 * torch.randn(4, CHUNK + 4 * QUARTER + 3, generator=gen)
+    logits = 4 * torch.randn(4, CHUNK + 4 * BLOCK + 3, generator=gen)
     logits[:, ::3] = float("-inf")  # never drawn
     logits[1, :CHUNK] = float("-inf")  # a row whose first chunk holds nothing to draw
     logits = logits.to(device)
@@ -90,11 +95,11 @@ def draw_seed(generator: Optional[torch.Generator], device: torch.device) -> tor
 
 
 def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, chunk: int = CHUNK,
-           quarter: int = QUARTER) -> Tuple[torch.Tensor, torch.Tensor]:
+           block: int = BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
     """(token ids [rows] int64, their logprobs under softmax(logits / T) [rows] fp32): one exact
-    draw per row of ``logits`` [rows, V] from the Philox stream ``seed`` ([1] int64). ``chunk``
-    (a multiple of 4 x ``quarter``, both powers of two): entries per program; the draws depend on
-    ``quarter`` (the counters' layout), not on ``chunk``."""
+    draw per row of ``logits`` [rows, V] from the Philox stream ``seed`` ([1] int64). ``chunk`` (a
+    multiple of ``block``, both powers of two): entries per program of the first kernel; the draws
+    depend on neither (u is the row's), up to the running sums' fp32 rounding."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -102,15 +107,16 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, chunk: 
     logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
     if rows:
         chunks = -(-vocab // chunk)
-        # Per (row, chunk): max, sum of exp(x - max), best score, its x, its id.
-        partial = torch.empty(4, rows, chunks, dtype=torch.float32, device=logits.device)
-        ids = torch.empty(rows, chunks, dtype=torch.int64, device=logits.device)
-        sample_chunk_kernel, sample_combine_kernel = _kernels()
-        sample_chunk_kernel[(rows, chunks)](logits, logits.stride(0), seed, partial, ids, vocab, chunks,
-                                            1.0 / float(temperature), FLOOR=_FLOOR, CHUNK=chunk, QUARTER=quarter,
-                                            num_warps=4)
-        sample_combine_kernel[(rows,)](partial, ids, tokens, logprobs, rows, chunks,
-                                       CHUNKS=max(2, 1 << (chunks - 1).bit_length()), num_warps=1)
+        block = min(block, chunk)
+        # Per (row, chunk): the max of x = logits / T and the sum of exp(x - max).
+        partial = torch.empty(2, rows, chunks, dtype=torch.float32, device=logits.device)
+        sample_chunk_kernel, sample_pick_kernel = _kernels()
+        inverse = 1.0 / float(temperature)
+        sample_chunk_kernel[(rows, chunks)](logits, logits.stride(0), partial, vocab, chunks, inverse, FLOOR=_FLOOR,
+                                            CHUNK=chunk, BLOCK=block, num_warps=4)
+        sample_pick_kernel[(rows,)](logits, logits.stride(0), partial, seed, tokens, logprobs, rows, vocab, chunks,
+                                    inverse, FLOOR=_FLOOR, CHUNK=chunk, CHUNKS=max(2, 1 << (chunks - 1).bit_length()),
+                                    BLOCK=block, num_warps=4)
     return tokens, logprobs
 
 
@@ -118,4 +124,4 @@ def _kernels():
     """(chunk kernel, combine kernel), imported on first use: triton is optional."""
     from . import sampling_triton
 
-    return sampling_triton.sample_chunk_kernel, sampling_triton.sample_combine_kernel
+    return sampling_triton.sample_chunk_kernel, sampling_triton.sample_pick_kernel

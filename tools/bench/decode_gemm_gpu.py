@@ -11,7 +11,9 @@ it replayed from one CUDA graph: microseconds per call for each BLAS library tor
 (``addmm``, what models/residual_in_matmul.py does for the output and down projections) where the
 engine does that, with ``--compile`` inductor's autotuned Triton matmul (minutes of tuning), and
 with ``--splitk`` the split-K candidate of splitk_matmul.py at each configuration given (the
-fastest per matmul, which it names; checked against the fp32 reference first).
+fastest per matmul, which it names; checked against the fp32 reference first), and with
+``--bmm-splits`` cuBLAS's own kernels made split-K: the K range cut into pieces, one batched
+matmul into fp32 partials, and the split-K reduce kernel.
 The bound: the slower of the FLOPs at ``--tflops`` and the weight, input and output bytes at
 ``--tbs`` (the H200's measured peaks). The last line: the step's matmuls summed, per library.
 """
@@ -19,6 +21,7 @@ The bound: the slower of the FLOPs at ``--tflops`` and the weight, input and out
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
@@ -29,17 +32,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_attention_gpu import step_ms  # noqa: E402 - the sibling benchmark's graph timer
 from engine_gpu import MEASURED_TBS, MEASURED_TFLOPS  # noqa: E402 - the engine bench's measured peaks
-from splitk_matmul import SplitConfig, splitk_matmul, splitk_reference  # noqa: E402
+from splitk_matmul import SplitConfig, bmm_splitk_matmul, splitk_matmul, splitk_reference  # noqa: E402
 
 
-def shapes(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, vocab: int) -> List[Tuple[str, int, int, bool, int]]:
+def shapes(hidden: int, heads: int, groups: int, head_dim: int, ffn: int, vocab: int,
+           layers: int) -> List[Tuple[str, int, int, bool, int]]:
     """(name, out features, in features, residual added in the matmul, calls per step) of one
-    decode step's matmuls."""
-    return [("qkv", (heads + 2 * groups) * head_dim, hidden, False, 1),
-            ("o_proj", hidden, heads * head_dim, True, 1),
-            ("fc1", 2 * ffn, hidden, False, 1),
-            ("fc2", hidden, ffn, True, 1),
-            ("lm_head", vocab, hidden, False, 0)]
+    decode step's matmuls. ``fc2+act`` is the down projection with SwiGLU before it: the BLAS
+    columns time megatron-core's compiled SwiGLU kernel and the matmul, split-K its gated load;
+    the step's sum counts it in place of ``fc2`` (0 calls: shown, not summed)."""
+    return [("qkv", (heads + 2 * groups) * head_dim, hidden, False, layers),
+            ("o_proj", hidden, heads * head_dim, True, layers),
+            ("fc1", 2 * ffn, hidden, False, layers),
+            ("fc2", hidden, ffn, True, 0),
+            ("fc2+act", hidden, ffn, True, layers),
+            ("lm_head", vocab, hidden, False, 1)]
+
+
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """megatron-core's SwiGLU (fused_bias_swiglu.swiglu), compiled as its jit_fuser compiles it."""
+    gate, up = torch.chunk(y, 2, -1)
+    return torch.nn.functional.silu(gate) * up
 
 
 def graph_us(fn: Callable[[], torch.Tensor], repeats: int) -> float:
@@ -53,18 +66,38 @@ def bound_us(rows: int, out: int, inp: int, tflops: float, tbs: float) -> float:
     return 1e6 * max(flops / (tflops * 1e12), moved / (tbs * 1e12))
 
 
-def split_us(x: torch.Tensor, weight: torch.Tensor, residual, configs, repeats: int):
+def split_us(x: torch.Tensor, weights: List[torch.Tensor], residual, configs, repeats: int, gated: bool):
     """The fastest split-K configuration's microseconds per call, and the configuration. Each is
     first checked against the fp32 reference (bf16 rounding apart)."""
-    expected = splitk_reference(x, weight, residual).float()
-    workspace = torch.empty(max(c.split for c in configs) * x.size(0) * weight.size(0), dtype=torch.float32,
+    expected = splitk_reference(x, weights[0], residual, gated).float()
+    workspace = torch.empty(max(c.split for c in configs) * x.size(0) * weights[0].size(0), dtype=torch.float32,
                             device=x.device)
     timed = []
     for config in configs:
-        got = splitk_matmul(x, weight, residual, config, workspace).float()
+        got = splitk_matmul(x, weights[0], residual, config, workspace, gated).float()
         error = float((got - expected).abs().max() / expected.abs().max())
         assert error < 1e-2, f"split-K {config}: relative error {error:.2e}"
-        timed.append((graph_us(lambda: splitk_matmul(x, weight, residual, config, workspace), repeats), str(config)))
+        weight = itertools.cycle(weights)
+        timed.append((graph_us(lambda: splitk_matmul(x, next(weight), residual, config, workspace, gated), repeats),
+                      str(config)))
+    return min(timed)
+
+
+def bmm_split_us(x: torch.Tensor, weights: List[torch.Tensor], residual, splits: List[int], repeats: int,
+                 gated: bool):
+    """The fastest cuBLAS split-K (bmm into fp32 partials, then the reduce kernel): microseconds
+    per call and the split. Splits that do not divide K are skipped."""
+    expected = splitk_reference(x, weights[0], residual, gated).float()
+    timed = []
+    for split in splits:
+        if weights[0].size(1) % split:
+            continue
+        got = bmm_splitk_matmul(x, weights[0], residual, split, gated).float()
+        error = float((got - expected).abs().max() / expected.abs().max())
+        assert error < 1e-2, f"bmm split {split}: relative error {error:.2e}"
+        weight = itertools.cycle(weights)
+        timed.append((graph_us(lambda: bmm_splitk_matmul(x, next(weight), residual, split, gated), repeats),
+                      f"split {split}"))
     return min(timed)
 
 
@@ -82,27 +115,37 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also inductor's max-autotune Triton matmul")
     parser.add_argument("--splitk", default="", help="split-K configurations BMxBNxBKxSPLITxWARPSxSTAGES, "
                                                      "comma-separated (e.g. 128x128x64x6x4x4): the fastest per matmul")
+    parser.add_argument("--bmm-splits", default="", help="cuBLAS split-K by a batched matmul into fp32 partials: "
+                                                         "the splits to try, comma-separated (e.g. 2,3,4)")
     parser.add_argument("--tflops", type=float, default=MEASURED_TFLOPS)
     parser.add_argument("--tbs", type=float, default=MEASURED_TBS)
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     torch.manual_seed(0)
     libraries = args.libraries.split(",")
-    columns = libraries + (["compiled"] if args.compile else []) + (["splitk"] if args.splitk else [])
+    columns = (libraries + (["compiled"] if args.compile else []) + (["splitk"] if args.splitk else [])
+               + (["bmm-split"] if args.bmm_splits else []))
+    bmm_splits = [int(v) for v in args.bmm_splits.split(",") if v]
     configs = [SplitConfig.parse(c) for c in args.splitk.split(",") if c]
+    activation = torch.compile(swiglu, dynamic=False)
     print(f"{'rows':>5} {'matmul':>8} {'out x in':>14} {'bound us':>9} "
           + " ".join(f"{c + ' us':>12} {'of bound':>8}" for c in columns))
     for rows in (int(r) for r in args.rows.split(",")):
         totals: Dict[str, float] = {c: 0.0 for c in columns}
         total_bound = 0.0
-        for name, out, inp, residual, per_layer in shapes(args.hidden, args.heads, args.groups, args.head_dim,
-                                                          args.ffn, args.vocab):
-            weight = torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * inp ** -0.5
-            x = torch.randn(rows, inp, device="cuda", dtype=torch.bfloat16)
+        for name, out, inp, residual, calls in shapes(args.hidden, args.heads, args.groups, args.head_dim,
+                                                      args.ffn, args.vocab, args.layers):
+            repeats = args.layers if name != "lm_head" else 4
+            # One weight per layer, as in the model: the same weight in every call would stay in L2.
+            weights = [torch.randn(out, inp, device="cuda", dtype=torch.bfloat16) * inp ** -0.5
+                       for _ in range(repeats)]
+            gated = name == "fc2+act"
+            x = torch.randn(rows, 2 * inp if gated else inp, device="cuda", dtype=torch.bfloat16)
             res = torch.randn(rows, out, device="cuda", dtype=torch.bfloat16)
-            call = (lambda: torch.addmm(res, x, weight.t())) if residual else (lambda: torch.mm(x, weight.t()))
-            calls = args.layers * per_layer or 1
-            repeats = args.layers if per_layer else 4
+
+            def call(weight=itertools.cycle(weights), x=x):
+                a = activation(x) if gated else x
+                return torch.addmm(res, a, next(weight).t()) if residual else torch.mm(a, next(weight).t())
             bound = bound_us(rows, out, inp, args.tflops, args.tbs)
             total_bound += calls * bound
             cells = []
@@ -112,16 +155,21 @@ def main() -> None:
                 totals[library] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}%")
             torch.backends.cuda.preferred_blas_library("cublas")
-            if args.compile:
+            if args.compile:  # for fc2+act: inductor's SwiGLU kernel, then its autotuned matmul
                 compiled = torch.compile((lambda r, a, w: torch.addmm(r, a, w.t())) if residual
                                          else (lambda r, a, w: torch.mm(a, w.t())),
                                          mode="max-autotune-no-cudagraphs", dynamic=False)
-                us = graph_us(lambda: compiled(res, x, weight), repeats)
+                weight = itertools.cycle(weights)
+                us = graph_us(lambda: compiled(res, activation(x) if gated else x, next(weight)), repeats)
                 totals["compiled"] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}%")
             if configs:
-                us, best = split_us(x, weight, res if residual else None, configs, repeats)
+                us, best = split_us(x, weights, res if residual else None, configs, repeats, gated)
                 totals["splitk"] += calls * us
+                cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}% ({best})")
+            if bmm_splits:
+                us, best = bmm_split_us(x, weights, res if residual else None, bmm_splits, repeats, gated)
+                totals["bmm-split"] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}% ({best})")
             print(f"{rows:>5} {name:>8} {f'{out}x{inp}':>14} {bound:>9.2f} " + " ".join(cells), flush=True)
         print(f"{rows:>5} {'step':>8} {'':>14} {total_bound / 1e3:>8.3f}m "

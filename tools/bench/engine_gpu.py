@@ -17,8 +17,11 @@ replayed from CUDA graphs, ``--graphs on``, or launched eagerly, ``off``), its p
 decode milliseconds per step, ``generate``'s tokens/s (the faster of --hf-calls calls over the whole
 batch, each after a short warm-up call; each call's rate is listed below the table), the ratio to
 it and, ``vs 1st``, to the first call's rate (what one call of ``generate`` per run gives; the
-second has run 1.4–3.4× faster here); then the roofline (``roofline_seconds``: the chip's
-datasheet peaks, no kernel can beat it) and the engine's share of it. ``--profile``: the
+second has run 1.4–3.4× faster here); then the roofline (``roofline_seconds``: an H200's
+datasheet peaks, no kernel can beat it) and the engine's share of it, and its share of the same
+roofline at the peaks ``measure_peaks`` measures on this card first (a large bf16 matmul's rate and
+a large copy's bandwidth; on a CPU an H200's measured peaks stand in). ``--repeats N``: N batches
+timed after the warm-up, the median one in the table. ``--profile``: the
 prefill's and the decode step's kernel time and heaviest kernels, per batch, and the decode step's
 kernels by kind (``kernel_kind``: matmul, attention, norm, residual add, activation, rotation
 and cache store, sampling, copy, other) with launches and microseconds per launch.
@@ -77,10 +80,10 @@ from model_size import (active_matmul_params, attention_flops, decode_weight_par
 # An H200's datasheet peaks: dense bf16 matmuls and HBM3e bandwidth. The roofline column uses them.
 PEAK_TFLOPS = 989.0
 PEAK_TBS = 4.8
-# HBM bandwidth measured on the H200 (a large device-to-device copy): the MoE decode bound uses it.
+# An H200's measured peaks, the way ``measure_peaks`` measures them: HBM bandwidth (a large
+# device-to-device copy) and the dense bf16 matmul rate (large cuBLAS GEMMs). The engine bench
+# measures the card it runs on instead; the other benches take these as defaults.
 MEASURED_TBS = 4.3
-# The H200's dense bf16 matmul rate as measured (large cuBLAS GEMMs): with MEASURED_TBS, the
-# roofline of the table's last column.
 MEASURED_TFLOPS = 803.0
 ON_GPU = torch.cuda.is_available()
 
@@ -129,6 +132,36 @@ def device_memory(stage: str) -> None:
     """Print the GPU memory torch has allocated at ``stage``."""
     if ON_GPU:
         print(f"[memory] {stage}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+
+
+def measure_peaks(repeats: int = 20) -> Tuple[float, float]:
+    """This GPU's (TFLOP/s, TB/s): the best of three timings of ``repeats`` 8192 x 8192 x 8192
+    bf16 matmuls, and of ``repeats`` copies of 4 GiB (each byte read once and written once)."""
+    def best_seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / repeats)
+        return min(times)
+
+    def matmul_tflops() -> float:
+        a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        return 2 * 8192**3 / best_seconds(lambda: a @ b) / 1e12
+
+    def copy_tbs() -> float:
+        source = torch.empty(2**30, device="cuda", dtype=torch.float32)
+        target = torch.empty_like(source)
+        return 2 * source.numel() * 4 / best_seconds(lambda: target.copy_(source)) / 1e12
+
+    peaks = matmul_tflops(), copy_tbs()
+    release_memory()
+    return peaks
 
 
 def roofline_seconds(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, tflops: float = PEAK_TFLOPS,
@@ -233,10 +266,11 @@ def weights_to_host(hf_model, m) -> List[Tuple[str, torch.Tensor]]:
 
 
 def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optional[Sequence[Tuple[str, torch.Tensor]]],
-               warmup_tokens: int = 4, host_profile: bool = False) -> Tuple[float, list]:
+               warmup_tokens: int = 4, host_profile: bool = False, repeats: int = 1) -> Tuple[float, list]:
     """Push ``weights`` (None: keep the engine's own random ones), warm up at this batch, then
-    time one batch of ``prompts``: (seconds, [(tokens, logprobs, routed experts or None)] per
-    prompt). ``host_profile``: then ``profile_host`` (the engine's stats are then its last batch's)."""
+    time ``repeats`` batches of ``prompts``: (the median batch's seconds, [(tokens, logprobs,
+    routed experts or None)] per prompt of it); the engine's stats are the median batch's.
+    ``host_profile``: then ``profile_host`` (its batches leave the stats as they were)."""
     from megatron_rl.rollout.embedded.engine import EngineStats
     from megatron_rl.api.engine import whole_response
     from megatron_rl.types import SamplingParams
@@ -250,20 +284,28 @@ def engine_run(engine, prompts: List[List[int]], new_tokens: int, weights: Optio
         # Warm-up at the measured batch: kernels compiled, the decode graph of this batch captured.
         warm = SamplingParams(max_new_tokens=warmup_tokens, stream=False)
         await asyncio.gather(*(engine.generate_n([f"warm{i}"], p, warm) for i, p in enumerate(prompts)))
-        engine.stats = EngineStats()  # the table's prefill and step times are the measured run's
-        collections = GarbageCollections()
 
         async def one(i, ids):
             response = await whole_response(engine.generate(f"r{i}", ids, params))
             return response.token_ids, response.logprobs, response.routed_experts
 
-        synchronize()
-        start = time.perf_counter()
-        out = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
-        synchronize()
-        took = time.perf_counter() - start
-        collections.close()
-        print(f"measured batch: {took:.3f} s; {collections}", flush=True)
+        runs = []
+        for repeat in range(repeats):
+            engine.stats = EngineStats()  # the table's prefill and step times are the measured run's
+            collections = GarbageCollections()
+            synchronize()
+            start = time.perf_counter()
+            out = await asyncio.gather(*(one(f"{repeat}-{i}", p) for i, p in enumerate(prompts)))
+            synchronize()
+            took = time.perf_counter() - start
+            collections.close()
+            print(f"measured batch {repeat + 1} of {repeats}: {took:.3f} s; {collections}", flush=True)
+            runs.append((took, out, engine.stats))
+        runs.sort(key=lambda run: run[0])
+        if repeats > 1:
+            print(f"measured batches: median {runs[len(runs) // 2][0]:.3f} s, fastest {runs[0][0]:.3f} s, "
+                  f"slowest {runs[-1][0]:.3f} s", flush=True)
+        took, out, engine.stats = runs[len(runs) // 2]
         if host_profile:
             stats = engine.stats
             await profile_host(engine, prompts, params)
@@ -521,13 +563,14 @@ def logprob_gap(cfg, vocab: int, engine, prompts: List[List[int]], out: list, ro
 
 
 def moe_bound_line(m, vocab: int, batch: int, prompt_len: int, new_tokens: int, variant: str, engine_tps: float,
-                   step_ms: float, dtype_bytes: int) -> str:
-    """The MoE decode-step bound at this batch and the engine's share of it, as one line."""
-    b = moe_decode_bound(m, vocab, batch, prompt_len, new_tokens, dtype_bytes=dtype_bytes)
+                   step_ms: float, dtype_bytes: int, tbs: float = MEASURED_TBS) -> str:
+    """The MoE decode-step bound at this batch (memory read at ``tbs``) and the engine's share of
+    it, as one line."""
+    b = moe_decode_bound(m, vocab, batch, prompt_len, new_tokens, tbs=tbs, dtype_bytes=dtype_bytes)
     share = f"{100 * 1e3 * b.seconds / step_ms:.1f} %" if step_ms > 0 else "n/a (no decode step)"
     return (f"MoE decode bound, batch {batch} ({variant}): {b.experts_per_layer:.1f} of {m.num_experts} experts "
             f"per layer -> {b.expert_bytes / 1e9:.2f} GB of experts + {b.other_bytes / 1e9:.2f} GB of other weights "
-            f"+ {b.kv_bytes / 1e9:.2f} GB of KV cache per step at {MEASURED_TBS} TB/s = {1e3 * b.seconds:.2f} ms "
+            f"+ {b.kv_bytes / 1e9:.2f} GB of KV cache per step at {tbs:.2f} TB/s = {1e3 * b.seconds:.2f} ms "
             f"({b.tokens_per_s(batch):,.0f} tokens/s); engine {step_ms:.2f} ms/step = "
             f"{share} of it, {engine_tps:,.0f} tokens/s = "
             f"{100 * engine_tps / b.tokens_per_s(batch):.1f} % of its tokens/s")
@@ -557,6 +600,8 @@ def main() -> None:
     parser.add_argument("--host-profile", action="store_true",
                         help="after each run: one more batch timed, one under cProfile (the host's time)")
     parser.add_argument("--graphs", default="on", help="on | off | on,off: decode steps from CUDA graphs or eager")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="batches timed per engine after its warm-up: the table takes the median one")
     parser.add_argument("--sampler", default="fused",
                         help="fused | torch | fused,torch: plain sampling in Triton kernels "
                              "(rollout/sampling_kernel.py, on a GPU) or the compiled torch path")
@@ -587,6 +632,13 @@ def main() -> None:
     print(f"model: {args.preset or recipe} {' '.join(overrides)}: {parameter_count(m, vocab) / 1e9:.2f} B parameters, "
           f"{parameter_count(m, vocab) * dtype_bytes / 1e9:.1f} GB of {m.dtype} weights; engine KV cache at batch "
           f"{max(batches)}: {kv_gb:.1f} GB; transformers' model, then each engine, one at a time", flush=True)
+    if ON_GPU:  # the 'measured' roofline is this card's
+        peak_tflops, peak_tbs = measure_peaks()
+        peaks_said = f"this {torch.cuda.get_device_name()}'s measured peaks ({peak_tflops:.0f} TFLOP/s, {peak_tbs:.2f} TB/s)"
+    else:
+        peak_tflops, peak_tbs = MEASURED_TFLOPS, MEASURED_TBS
+        peaks_said = f"an H200's measured peaks ({peak_tflops:.0f} TFLOP/s, {peak_tbs} TB/s), not this CPU's"
+    print(f"roofline 'measured' at {peaks_said}", flush=True)
     init_model_parallel(1, 1, seed=0)
     torch.manual_seed(0)
     rng = random.Random(0)
@@ -621,7 +673,7 @@ def main() -> None:
         roofline_tps = batch * args.new_tokens / roofline_seconds(m, vocab, batch, args.prompt_len, args.new_tokens,
                                                                   dtype_bytes=dtype_bytes)
         measured_tps = batch * args.new_tokens / roofline_seconds(m, vocab, batch, args.prompt_len, args.new_tokens,
-                                                                  MEASURED_TFLOPS, MEASURED_TBS, dtype_bytes)
+                                                                  peak_tflops, peak_tbs, dtype_bytes)
         for graphs in args.graphs.split(","):
             for attention, sampler in itertools.product(args.decode_attention.split(","), args.sampler.split(",")):
                 use_decode_attention(attention)
@@ -630,7 +682,7 @@ def main() -> None:
                 engine = EmbeddedEngine(m, vocab, max_batch_size=batch, seed=0, **options)
                 device_memory(f"engine for batch {batch} built")
                 took, out = engine_run(engine, prompts[batch], args.new_tokens, weights, args.warmup_tokens,
-                                       args.host_profile)
+                                       args.host_profile, args.repeats)
                 tokens = sum(len(t) for t, _, _ in out)
                 assert tokens == batch * args.new_tokens, tokens
                 st = engine.stats
@@ -656,16 +708,14 @@ def main() -> None:
                 print(rows[-1], flush=True)
                 if m.num_experts:
                     moe_lines.append(moe_bound_line(m, vocab, batch, args.prompt_len, args.new_tokens, variant,
-                                                    engine_tps, step_ms, dtype_bytes))
+                                                    engine_tps, step_ms, dtype_bytes, peak_tbs))
                     print(moe_lines[-1], flush=True)
 
     device = torch.cuda.get_device_name() if ON_GPU else "CPU"
     print(f"\nembedded engine vs transformers {transformers.__version__} generate, {args.preset or recipe} shape "
           f"{' '.join(overrides)}, vocab {vocab}, {m.dtype}, T=1, no stop token ({device}); roofline at "
-          f"{PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBS} TB/s (datasheet); 'measured': the same roofline at the "
-          f"measured peaks ({MEASURED_TFLOPS:.0f} TFLOP/s, {MEASURED_TBS} TB/s)"
-          + ("" if "H200" in device else f"; these are an H200's peaks, not this {device}'s: its shares do not "
-             "describe this device"))
+          f"{PEAK_TFLOPS:.0f} TFLOP/s and {PEAK_TBS} TB/s (an H200's datasheet); 'measured': the same roofline at "
+          f"{peaks_said}")
     print(f"{'batch':>6} {'prompt':>7} {'new':>5} {'graphs/decode':>15} {'engine tok/s':>12} {'prefill s':>9} "
           f"{'ms/step':>8} {'generate tok/s':>14} {'ratio':>8} {'vs 1st':>8} {'roofline tok/s':>13} {'of it':>6} "
           f"{'measured':>8}")

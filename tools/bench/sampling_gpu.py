@@ -3,12 +3,14 @@ against the compiled torch path, each against the bytes it must read.
 
     python tools/bench/sampling_gpu.py [--rows 64,256] [--vocab 151936] [--temperature 1.0]
 
-Per row count: microseconds per call of ``rollout/sampling_kernel.py``'s two kernels (token and
-logprob in one read of the logits, the Philox noise drawn inside) and of ``sampling.draw_tempered``
-with the engine's generator noise (what runs where triton does not), both replayed from one CUDA
-graph (``--calls`` calls each), and the time reading the bf16 logits once takes at ``--tbs``. The
-same seed draws the same tokens whatever the kernels' chunking, so the last column checks the
-fused kernel against its own second call.
+Per row count: microseconds per call of ``rollout/sampling_kernel.py``'s two kernels (one read of
+the logits for each chunk's max and sum, then per row one uniform and a walk of one chunk: the
+inverse of the softmax's distribution) and of ``sampling.draw_tempered`` with the engine's
+generator noise (what runs where triton does not), both replayed from one CUDA graph (``--calls``
+calls each), and the time reading the bf16 logits once takes at ``--tbs``. The same seed draws
+the same tokens whatever the kernels' chunking, up to the running sums' fp32 rounding at an
+entry's boundary, so the last column counts the rows where the fused kernel's second call, at
+half the chunk, drew the same token.
 """
 
 from __future__ import annotations
