@@ -339,3 +339,22 @@ def test_long_tail_lengths_are_honoured_and_stop_tokens_ignored_until_then(megat
     torch.manual_seed(0)
     plain = asyncio.run(run(EmbeddedEngine(ModelConfig(), VOCAB, max_batch_size=8, seed=0)))
     assert [len(r.token_ids) for r in plain] == [1] * len(ids)
+
+
+@pytest.mark.parametrize("tokens,stops,remaining,expected", [
+    ([5, 2, 7], (7,), 10, (3, "stop")),  # the stop token is kept
+    ([5, 2, 7], (2, 7), 10, (2, "stop")),  # the first stop ends it
+    ([5, 2, 7], (9,), 2, (2, "length")),  # the budget cuts the burst
+    ([5, 2, 7], (9,), 3, (3, "length")),  # ... exactly at its end
+    ([5, 2, 7], (9,), 4, (3, None)),  # it goes on
+    ([5, 2, 7], (), 2, (2, "length")),  # no stop tokens (a forced length)
+    ([5], (5,), 1, (1, "stop")),  # a stop on the last budgeted token is a stop
+    ([5], (6,), 1, (1, "length")),
+    ([5], (6,), 0, (1, "length")),  # an exhausted budget still records the token it has
+])
+def test_the_finish_rule(tokens, stops, remaining, expected):
+    """One rule decides where a row's tokens end, for a step's token and for a burst's: the
+    recording of each and the compute thread's look-ahead all call it."""
+    from megatron_rl.rollout.embedded.engine import cut_at_finish
+
+    assert cut_at_finish(tokens, stops, remaining) == expected

@@ -79,6 +79,17 @@ class _Group:
             self.future.set_exception(error)
 
 
+def cut_at_finish(tokens: Sequence[int], stops: tuple, remaining: int) -> Tuple[int, Optional[str]]:
+    """The finish rule, for a row's next ``tokens`` when ``remaining`` tokens of its budget are
+    left before them: how many it keeps and why it then finishes ("stop": a stop token, kept;
+    "length": the budget spent; None: it goes on). One token or a burst's: the event loop's
+    recording and the compute thread's look-ahead both ask here."""
+    kept = tokens[: max(remaining, 1)]
+    if stops and (kept[0] in stops if len(kept) == 1 else not set(stops).isdisjoint(kept)):
+        return next(i for i, token in enumerate(kept) if token in stops) + 1, "stop"
+    return len(kept), "length" if remaining <= len(kept) else None
+
+
 @dataclass
 class _Request:
     request_id: str
@@ -520,18 +531,11 @@ class EmbeddedEngine(RolloutEngine):
                     if req.finish is not None:
                         break
                 continue
-            mine = tokens[row][: max(req.remaining, 1)]
-            stops = req.stop_token_ids
-            if stops and not set(stops).isdisjoint(mine):
-                mine = mine[: next(i for i, tok in enumerate(mine) if tok in stops) + 1]
-                req.finish = "stop"
-            n = len(mine)
-            req.tokens.extend(mine)
+            n, req.finish = cut_at_finish(tokens[row], req.stop_token_ids, req.remaining)
+            req.tokens.extend(tokens[row][:n])
             req.logprobs.extend(logprobs[row][:n])
             req.versions.extend([version] * n)
             recorded += n
-            if req.finish is None and req.remaining <= 0:
-                req.finish = "length"
             if req.finish is not None:
                 self._emit(req)
         self.stats.tokens += recorded
@@ -587,7 +591,7 @@ class EmbeddedEngine(RolloutEngine):
             if state is None:
                 continue
             stops, remaining = state
-            if tokens[row] in stops or remaining <= 1:
+            if cut_at_finish(tokens[row : row + 1], stops, remaining)[1] is not None:
                 live[row] = None
                 finished += 1
             else:
@@ -675,13 +679,10 @@ class EmbeddedEngine(RolloutEngine):
             if routing is not None:  # before the token: the call computed positions up to here
                 req.add_routing(routing[row])
             recorded += 1
+            _, req.finish = cut_at_finish((tok,), req.stop_token_ids, req.remaining)
             req.tokens.append(tok)
             req.logprobs.append(lp)
             req.versions.append(version)
-            if tok in req.stop_token_ids:
-                req.finish = "stop"
-            elif req.remaining <= 0:
-                req.finish = "length"
             if req.finish is not None or (req.group is None and req.params.stream):
                 self._emit(req)
         self.stats.tokens += recorded
