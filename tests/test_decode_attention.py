@@ -178,3 +178,35 @@ def test_kernel_rotating_the_new_slot_gives_the_unfused_bits_on_a_gpu():
     out = da.decode_attention(query, keys, values, bias, 0.088, da.NewSlot(key, value, cos, sin, slot))
     assert torch.equal(cache, expected_cache)
     assert torch.equal(out, expected)
+
+
+def test_a_failing_rotating_kernel_falls_back_to_torchs_rotation_store_and_attention(monkeypatch):
+    """If the decode kernel fails with a new slot to rotate and store, the core attention does the
+    rotation and the store with torch ops, attends with torch's fused kernel, and keeps torch's
+    kernel from then on: the same output and cache as the unfused path."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rl.models import kv_attention
+    from megatron_rl.models.rope_store import rope_store_reference
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(kv_attention, "decode_attention", broken)
+    monkeypatch.setattr(kv_attention.CachedKVAttention, "decode_kernel", "triton")
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0)
+    attention = kv_attention.CachedKVAttention(config, 1, AttnMaskType.no_mask, "self")
+    query, key, value, cos, sin, cache, keys, values, bias, slot = _new_slot_case(3, 2, 2, 20, 16, torch.float32, "cpu")
+    masked = torch.isinf(bias)
+    expected_cache = cache.clone()
+    rotated = rope_store_reference(query, key, value, cos, sin, expected_cache[0, :3, :, :20],
+                                   expected_cache[1, :3, :, :20], slot)
+    expected = _plain(rotated.view(query.shape), expected_cache[0, :3, :, :20], expected_cache[1, :3, :, :20],
+                      masked, attention.softmax_scale)
+    attention.new_slot = da.NewSlot(key, value, cos, sin, slot)
+    out = attention(query.unsqueeze(0), keys, values, masked)
+    assert attention.new_slot is None and kv_attention.CachedKVAttention.decode_kernel == "sdpa"
+    assert torch.equal(cache, expected_cache)
+    torch.testing.assert_close(out.double(), expected.reshape(1, 3, 64), atol=1e-5, rtol=1e-5)

@@ -327,7 +327,7 @@ class CachedKVAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         new, self.new_slot = self.new_slot, None
-        if new is not None:
+        if new is not None and query.dim() == 5:  # (a slot left by a forward that failed before here is dropped)
             return self._rotating_decode(query[0], key, value, attention_mask, new)
         sq, b, heads, dim = query.shape
         groups = key.size(1)
