@@ -368,6 +368,8 @@ def test_engine_gpu_bench_sorts_kernels_by_kind():
         "attention_split_kernel": "attention",
         "attention_combine_kernel": "attention",
         "sample_chunk_kernel": "sampling",
+        "sample_pick_kernel": "sampling",
+        "rms_norm_kernel": "norm",
         "rope_store_kernel": "rotation+store",
         "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float, true>": "norm",
         "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "matmul",

@@ -333,7 +333,7 @@ def use_decode_attention(name: str) -> None:
 # xmma / cutlass GEMMs and its split-K reduction, torch's element-wise functors, our Triton kernels).
 KERNEL_KINDS = (
     ("attention", r"attention_(split|combine)_kernel|flash|fmha|cudnn|efficient_attention"),
-    ("sampling", r"sample_(chunk|combine)_kernel|exponential|argmax|log_?softmax|logsumexp"),
+    ("sampling", r"sample_(chunk|pick)_kernel|exponential|argmax|log_?softmax|logsumexp"),
     ("rotation+store", r"rope_store_kernel|rotary|rope"),
     ("norm", r"rms_norm|layer_norm|RowwiseMoments"),
     ("matmul", r"gemm|nvjet|xmma|cutlass|splitKreduce|cublas"),
