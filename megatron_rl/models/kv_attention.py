@@ -293,10 +293,9 @@ class EngineSelfAttention(SelfAttention):
     def _attention_rotates(self, query: torch.Tensor, key: torch.Tensor, width: int) -> bool:
         """Whether this static step's core attention is the Triton decode kernel at a shape where
         it can rotate and store the new slot itself (``decode_attention.rotates_in_kernel``)."""
-        rows, groups, dim = key.size(1), key.size(2), query.size(-1)
-        return (isinstance(self.core_attention, CachedKVAttention) and self.core_attention.decode_kernel == "triton"
-                and query.is_cuda and triton_available() and not EngineSelfAttention.rope_store_failed
-                and supports(dim, self.num_attention_heads_per_partition // groups)
+        rows, groups = key.size(1), key.size(2)
+        return (isinstance(self.core_attention, CachedKVAttention) and not EngineSelfAttention.rope_store_failed
+                and self.core_attention.triton_decodes(query, self.num_attention_heads_per_partition // groups)
                 and rotates_in_kernel(rows, groups, width))
 
 
@@ -357,7 +356,7 @@ class CachedKVAttention(MegatronModule):
         groups = key.size(1)
         q = query.reshape(b, groups, heads // groups, dim)
         bias = decode_bias(attention_mask, q.dtype)
-        if self.decode_kernel == "triton" and q.is_cuda and triton_available() and supports(dim, heads // groups):
+        if self.triton_decodes(q, heads // groups):
             try:
                 return decode_attention(q, key, value, bias, self.softmax_scale).reshape(1, b, heads * dim)
             except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation
@@ -365,6 +364,12 @@ class CachedKVAttention(MegatronModule):
                 CachedKVAttention.decode_kernel = "sdpa"
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=bias, scale=self.softmax_scale)
         return out.reshape(1, b, heads * dim)
+
+    def triton_decodes(self, query: torch.Tensor, per_group: int) -> bool:
+        """Whether a decode step's attention on ``query`` (its last dimension the head's) runs the
+        Triton kernel of models/decode_attention.py: the kernel chosen, on a GPU, at a shape it takes."""
+        return (self.decode_kernel == "triton" and query.is_cuda and triton_available()
+                and supports(query.size(-1), per_group))
 
     def _rotating_decode(self, query, key, value, attention_mask, new: NewSlot):
         """The Triton decode kernel rotating the query and the new key and storing the new key and

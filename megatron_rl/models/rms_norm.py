@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Optional
-
 import torch
 
 from .decode_attention import triton_runs_on
@@ -74,12 +72,11 @@ class _TritonNorm:
     def __init__(self, module: torch.nn.RMSNorm) -> None:
         self.module = module
         self.default = module.forward
-        self.eps: Optional[float] = module.eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if _TritonNorm.failed or not kernel_applies(x, self.module):
             return self.default(x)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps  # torch's default
+        eps = self.module.eps if self.module.eps is not None else torch.finfo(x.dtype).eps  # torch's default
         try:
             return rms_norm(x, self.module.weight, eps)
         except Exception as exc:  # noqa: BLE001 - a triton failure must not stop generation

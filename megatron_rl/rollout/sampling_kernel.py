@@ -121,7 +121,7 @@ def sample(logits: torch.Tensor, temperature: float, seed: torch.Tensor, chunk: 
 
 
 def _kernels():
-    """(chunk kernel, combine kernel), imported on first use: triton is optional."""
+    """(chunk kernel, pick kernel), imported on first use: triton is optional."""
     from . import sampling_triton
 
     return sampling_triton.sample_chunk_kernel, sampling_triton.sample_pick_kernel

@@ -66,39 +66,33 @@ def bound_us(rows: int, out: int, inp: int, tflops: float, tbs: float) -> float:
     return 1e6 * max(flops / (tflops * 1e12), moved / (tbs * 1e12))
 
 
-def split_us(x: torch.Tensor, weights: List[torch.Tensor], residual, configs, repeats: int, gated: bool):
-    """The fastest split-K configuration's microseconds per call, and the configuration. Each is
-    first checked against the fp32 reference (bf16 rounding apart)."""
+def fastest_us(x: torch.Tensor, weights: List[torch.Tensor], residual, gated: bool, repeats: int,
+               candidates: Dict[str, Callable]) -> Tuple[float, str]:
+    """The fastest candidate's microseconds per call and its name. Each candidate,
+    ``(x, weight, residual, gated) -> out``, is first checked against the fp32 reference (bf16
+    rounding apart), then timed cycling through ``weights``."""
     expected = splitk_reference(x, weights[0], residual, gated).float()
-    workspace = torch.empty(max(c.split for c in configs) * x.size(0) * weights[0].size(0), dtype=torch.float32,
+    timed = []
+    for name, candidate in candidates.items():
+        got = candidate(x, weights[0], residual, gated).float()
+        error = float((got - expected).abs().max() / expected.abs().max())
+        assert error < 1e-2, f"{name}: relative error {error:.2e}"
+        weight = itertools.cycle(weights)
+        timed.append((graph_us(lambda: candidate(x, next(weight), residual, gated), repeats), name))
+    return min(timed)
+
+
+def split_candidates(x: torch.Tensor, out_features: int, configs: List[SplitConfig]) -> Dict[str, Callable]:
+    """The Triton split-K kernels at each configuration, sharing one fp32 workspace."""
+    workspace = torch.empty(max(c.split for c in configs) * x.size(0) * out_features, dtype=torch.float32,
                             device=x.device)
-    timed = []
-    for config in configs:
-        got = splitk_matmul(x, weights[0], residual, config, workspace, gated).float()
-        error = float((got - expected).abs().max() / expected.abs().max())
-        assert error < 1e-2, f"split-K {config}: relative error {error:.2e}"
-        weight = itertools.cycle(weights)
-        timed.append((graph_us(lambda: splitk_matmul(x, next(weight), residual, config, workspace, gated), repeats),
-                      str(config)))
-    return min(timed)
+    return {str(c): lambda x, w, r, gated, c=c: splitk_matmul(x, w, r, c, workspace, gated) for c in configs}
 
 
-def bmm_split_us(x: torch.Tensor, weights: List[torch.Tensor], residual, splits: List[int], repeats: int,
-                 gated: bool):
-    """The fastest cuBLAS split-K (bmm into fp32 partials, then the reduce kernel): microseconds
-    per call and the split. Splits that do not divide K are skipped."""
-    expected = splitk_reference(x, weights[0], residual, gated).float()
-    timed = []
-    for split in splits:
-        if weights[0].size(1) % split:
-            continue
-        got = bmm_splitk_matmul(x, weights[0], residual, split, gated).float()
-        error = float((got - expected).abs().max() / expected.abs().max())
-        assert error < 1e-2, f"bmm split {split}: relative error {error:.2e}"
-        weight = itertools.cycle(weights)
-        timed.append((graph_us(lambda: bmm_splitk_matmul(x, next(weight), residual, split, gated), repeats),
-                      f"split {split}"))
-    return min(timed)
+def bmm_split_candidates(in_features: int, splits: List[int]) -> Dict[str, Callable]:
+    """cuBLAS split-K (bmm into fp32 partials, then the reduce kernel) at each split dividing K."""
+    return {f"split {split}": lambda x, w, r, gated, split=split: bmm_splitk_matmul(x, w, r, split, gated)
+            for split in splits if in_features % split == 0}
 
 
 def main() -> None:
@@ -164,11 +158,13 @@ def main() -> None:
                 totals["compiled"] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}%")
             if configs:
-                us, best = split_us(x, weights, res if residual else None, configs, repeats, gated)
+                us, best = fastest_us(x, weights, res if residual else None, gated, repeats,
+                                      split_candidates(x, out, configs))
                 totals["splitk"] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}% ({best})")
             if bmm_splits:
-                us, best = bmm_split_us(x, weights, res if residual else None, bmm_splits, repeats, gated)
+                us, best = fastest_us(x, weights, res if residual else None, gated, repeats,
+                                      bmm_split_candidates(inp, bmm_splits))
                 totals["bmm-split"] += calls * us
                 cells.append(f"{us:>12.2f} {100 * bound / us:>7.0f}% ({best})")
             print(f"{rows:>5} {name:>8} {f'{out}x{inp}':>14} {bound:>9.2f} " + " ".join(cells), flush=True)
