@@ -210,3 +210,25 @@ def test_a_failing_rotating_kernel_falls_back_to_torchs_rotation_store_and_atten
     assert attention.new_slot is None and kv_attention.CachedKVAttention.decode_kernel == "sdpa"
     assert torch.equal(cache, expected_cache)
     torch.testing.assert_close(out.double(), expected.reshape(1, 3, 64), atol=1e-5, rtol=1e-5)
+
+
+def test_a_new_slot_left_behind_is_dropped_by_a_forward_that_is_not_a_static_step():
+    """A new slot whose static step failed before its core attention is not applied to the next
+    forward (a prefill's query is [slots, rows, heads, dim]): that forward attends as usual and
+    the slot is gone."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_rl.models import kv_attention
+
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                               kv_channels=16, attention_dropout=0.0)
+    attention = kv_attention.CachedKVAttention(config, 1, AttnMaskType.no_mask, "self")
+    query, key, value, cos, sin, cache, keys, values, bias, slot = _new_slot_case(3, 2, 2, 20, 16, torch.float32, "cpu")
+    prefill_query = torch.randn(5, 3, 4, 16)
+    window_keys, window_values = keys[:, :, :5].clone(), values[:, :, :5].clone()
+    expected = attention(prefill_query, window_keys, window_values, None)
+    attention.new_slot = da.NewSlot(key, value, cos, sin, slot)
+    before = cache.clone()
+    out = attention(prefill_query, window_keys, window_values, None)
+    assert attention.new_slot is None and torch.equal(out, expected) and torch.equal(cache, before)

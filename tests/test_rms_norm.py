@@ -79,3 +79,17 @@ def test_kernel_on_a_gpu_is_torchs_norm_within_a_rounding():
         torchs = torch.nn.functional.rms_norm(x, (1536,), weight, 1e-6).float()
         ulp = 2 ** -7 * want.abs()  # one bf16 rounding step, relative
         assert ((got - want).abs() <= ulp).all() and ((got - torchs).abs() <= ulp).all()
+
+
+def test_the_engine_model_takes_the_kernel_for_its_norms_and_the_learner_model_does_not(megatron_world, tiny_cfg):
+    """build_gpt_model points an engine model's RMSNorms (kv_attention=True) at the kernel, every
+    one of them; a learner's model keeps torch's forward."""
+    from megatron_rl.models.gpt import build_gpt_model
+
+    def patched(model):
+        return [isinstance(m.forward, rn._TritonNorm) for m in model.modules() if isinstance(m, torch.nn.RMSNorm)]
+
+    engine = patched(build_gpt_model(tiny_cfg.model, 16, kv_attention=True))
+    learner = patched(build_gpt_model(tiny_cfg.model, 16))
+    assert len(engine) == 2 * tiny_cfg.model.num_layers + 1 and all(engine)
+    assert len(learner) == len(engine) and not any(learner)
