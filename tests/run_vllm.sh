@@ -48,4 +48,4 @@ done
 exec "$VENV_PYTHON" -m pytest -ra "${XDIST[@]}" tests/test_vllm_engine.py tests/test_vllm_load.py tests/test_vllm_families.py \
   tests/test_vllm_world.py tests/test_vllm_agent.py tests/test_vllm_lora.py tests/test_decode_attention.py \
   tests/test_rope_store.py tests/test_logprob_kernels.py tests/test_adam_kernel.py tests/test_sampling_kernel.py \
-  tests/test_splitk_matmul.py tests/test_rms_norm.py "$@"
+  tests/test_splitk_matmul.py tests/test_swiglu_matmul.py tests/test_rms_norm.py "$@"

@@ -138,14 +138,15 @@ def test_engine_gpu_bench_runs_on_a_cpu():
     assert "logprob gap" in out.stdout and "max 0.000" in out.stdout, out.stdout
 
 
-def test_sampling_gpu_bench_says_it_needs_a_gpu():
-    """tools/bench/sampling_gpu.py imports its sibling benches and the sampling modules, and on a
-    machine without a GPU stops with one line saying so."""
+@pytest.mark.parametrize("bench", ["sampling_gpu.py", "swiglu_matmul_gpu.py"])
+def test_gpu_only_benches_say_they_need_a_gpu(bench):
+    """These benches import their sibling benches and the modules they time, and on a machine
+    without a GPU stop with one line saying so."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the bench runs instead of stopping")
-    out = subprocess.run([sys.executable, str(TOOLS / "bench/sampling_gpu.py"), "--rows", "4"],
+    out = subprocess.run([sys.executable, str(TOOLS / "bench" / bench), "--rows", "4"],
                          capture_output=True, text=True, timeout=300, cwd=TOOLS.parent)
-    assert out.returncode == 1 and out.stderr.strip() == "sampling_gpu.py needs a GPU", out.stderr[-2000:]
+    assert out.returncode == 1 and out.stderr.strip() == f"{bench} needs a GPU", out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("compare", ["attention", "packing"])
