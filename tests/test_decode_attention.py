@@ -67,10 +67,11 @@ def test_triton_kernels_compute_the_reference(rows, slots):
 
 
 # Shapes beyond Qwen2-1.5B's: one query head per group, head dims 16 and 128, several slices (of
-# one block each, and of several: the online softmax's rescaling),
-# fp16 and fp32 (the interpreter's numpy has no bfloat16), a key cache view with batch and group
-# strides, left padding that masks whole blocks and slots masked after the new token. fp32 within
-# 5e-5: triton versions sum the blocks in different orders (3.9 measured 1.05e-5 at head dim 128).
+# one block each, and of several: the online softmax's rescaling), fp16 and fp32 (the
+# interpreter's numpy has no bfloat16), a key cache view with batch and group strides, left
+# padding that masks whole blocks, a hole of masked blocks between seen slots, and slots masked
+# after the new token. fp32 within 5e-5: triton versions sum the blocks in different orders (3.9
+# measured 1.05e-5 at head dim 128).
 _INTERPRETED_CASES = r"""
 import torch
 from megatron_rl.models import decode_attention as da
@@ -88,6 +89,7 @@ for rows, groups, per_group, slots, dim, dtype, tol in [(3, 2, 6, 200, 64, torch
     masked = torch.zeros(rows, 1, 1, slots, dtype=torch.bool)
     masked[..., slots - 5:] = True
     masked[0, ..., : slots - 20] = True
+    masked[1, ..., 60:140] = True  # a hole: a whole block masked between seen slots
     bias = torch.zeros(masked.shape, dtype=dtype).masked_fill_(masked, float("-inf"))
     # Sliced and combined; then one slice per row, which the split kernel writes itself.
     for target, sliced in ((default_target, True), (1, False)):

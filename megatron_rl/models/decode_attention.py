@@ -7,8 +7,9 @@ fused kernel (cuDNN on an H200) reads them at about 2.7 TB/s of the chip's ~4.3 
 
 Here each program takes one (row, key group, slice of the slots): the group's query heads are the
 rows of one small matrix product against each block of keys (no copy of the keys per head), the
-softmax is kept online, and a block whose slots are all masked (left padding, slots after the new
-token within the static width) is skipped without reading its keys or values. A second kernel
+softmax is kept online, and only the blocks from the slice's first seen slot to its last are read
+(left padding and the slots after the new token within the static width are not), in a loop
+without branches so that Triton pipelines the key and value loads. A second kernel
 combines the slices' partial results. Slicing the slots gives the GPU enough programs at small
 batches too; where the rows alone give enough (one slice), the kernel writes the output itself and
 the combining launch and its partial results are skipped.
@@ -115,6 +116,12 @@ def split_decode_reference(query: torch.Tensor, key: torch.Tensor, value: torch.
     return (numerator / denominator).to(query.dtype)
 
 
+def scan_block(per_slice: int) -> int:
+    """Bias entries the kernel reads at once to find a slice's seen slots: the slice rounded up to
+    a power of two (one load for a decode step's slice), at most 4,096 (a loop beyond)."""
+    return min(max(BLOCK_SLOTS, 1 << (per_slice - 1).bit_length()), 4096)
+
+
 def rotates_in_kernel(rows: int, groups: int, slots: int) -> bool:
     """Whether ``decode_attention`` can take a ``NewSlot`` at this shape: one slice per (row, key
     group), so the program that stores a row's new key is the only one reading that row's cache."""
@@ -160,7 +167,7 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         *(new if new is not None else (query,) * 5),  # unread without ROPE
         *((new.key.stride(0), new.key.stride(1), new.value.stride(0), new.value.stride(1)) if new is not None
           else (0, 0, 0, 0)),
-        R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices, ROPE=new is not None,
+        R=r, R_PAD=r_pad, D=d, BLOCK_N=BLOCK_SLOTS, SLICES=slices, ROPE=new is not None, SCAN=scan_block(per_slice),
     )
     if slices > 1:
         kernels.combine((b * g,), part_max, part_sum, part_acc, out, R=r, R_PAD=r_pad, D=d, SLICES=slices)
@@ -178,7 +185,7 @@ def _kernels():
                                G, slots, per_slice, scale,
                                NewK, NewV, Cos, Sin, Slot, snkb, snkg, snvb, snvg,
                                R: tl.constexpr, R_PAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                               SLICES: tl.constexpr, ROPE: tl.constexpr):
+                               SLICES: tl.constexpr, ROPE: tl.constexpr, SCAN: tl.constexpr):
         bg = tl.program_id(0)
         part = tl.program_id(1)
         b = bg // G
@@ -216,20 +223,35 @@ def _kernels():
         acc = tl.zeros([R_PAD, D], tl.float32)
         start = part * per_slice
         end = tl.minimum(start + per_slice, slots)
-        for n0 in range(start, end, BLOCK_N):
+        # The slice's seen slots first (bias not -inf): the blocks before the first and after the
+        # last are never read (left padding, and the slots after the new token in a static
+        # step's width). The loop below then has no branch, so its key and value loads are
+        # software-pipelined (num_stages): a load inside a data-dependent branch is not, and the
+        # program would wait on each block's keys and then its values in turn.
+        offs_scan = tl.arange(0, SCAN)
+        lo = end
+        hi = start
+        for c0 in range(start, end, SCAN):
+            n = c0 + offs_scan
+            seen = tl.load(Bias + b * sbb + n, mask=n < end, other=float("-inf")) > float("-inf")
+            lo = tl.minimum(lo, tl.min(tl.where(seen, n, end), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(seen, n + 1, start), axis=0))
+        first = start + (lo - start) // BLOCK_N * BLOCK_N  # the block holding the first seen slot
+        for n0 in range(first, hi, BLOCK_N):
             n = n0 + offs_n
             inside = n < end
             bias = tl.load(Bias + b * sbb + n, mask=inside, other=float("-inf")).to(tl.float32)
-            if tl.max(bias, axis=0) > float("-inf"):  # a wholly masked block reads nothing
-                k = tl.load(k_base + n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
-                scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
-                m_new = tl.maximum(m, tl.max(scores, axis=1))
-                alpha = tl.exp(m - m_new)  # m = -inf before the first seen block: alpha 0
-                p = tl.exp(scores - m_new[:, None])
-                s_sum = s_sum * alpha + tl.sum(p, axis=1)
-                v = tl.load(v_base + n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m = m_new
+            k = tl.load(k_base + n[:, None] * sks + offs_d[None, :], mask=inside[:, None], other=0.0)
+            v = tl.load(v_base + n[:, None] * svs + offs_d[None, :], mask=inside[:, None], other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale + bias[None, :]
+            # The first block holds a seen slot, so m_new is finite from it on (m = -inf before
+            # it: alpha 0); a wholly masked block later (a hole) adds exp(-inf) = 0.
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            s_sum = s_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
         if SLICES == 1:  # the whole row seen here: normalise and write it (no combining launch)
             tl.store(Out + (bg * R + offs_r[:, None]) * D + offs_d[None, :],
                      (acc / s_sum[:, None]).to(Out.dtype.element_ty), mask=offs_r[:, None] < R)
