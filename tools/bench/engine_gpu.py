@@ -73,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from learner_gpu import drop_autograd_leftovers, release_memory  # noqa: E402 - the sibling benchmark's
-from megatron_rl.models.decode_attention import TARGET_PROGRAMS as DEFAULT_TARGET_PROGRAMS  # noqa: E402
+from megatron_rl.models import decode_attention as _decode_attention  # noqa: E402
 from model_size import (active_matmul_params, attention_flops, decode_weight_params, expert_params,  # noqa: E402
                         experts_touched, kv_bytes_per_token, matmul_params, moe_layers)
 
@@ -319,14 +319,24 @@ def use_decode_attention(name: str) -> None:
     """sdpa: torch's fused kernel, whichever backend it picks (cuDNN on an H200); efficient: the
     same with cuDNN's backend off (the memory-efficient kernel); triton: the split-key kernel of
     models/decode_attention.py, ``triton:N`` with its slicing aiming at N programs (at most rows x
-    key groups: one slice, no combining launch); matmul: two batched matmuls."""
-    from megatron_rl.models import decode_attention
+    key groups: one slice, no combining launch), ``triton:BLOCKxWARPSxSTAGES[xPROGRAMS]`` with
+    those launch constants too (decode_attention_gpu.py's ``--configs`` form); matmul: two
+    batched matmuls."""
     from megatron_rl.models.kv_attention import CachedKVAttention
 
-    name, _, programs = name.partition(":")
+    name, _, launch = name.partition(":")
     CachedKVAttention.decode_kernel = name if name in ("matmul", "triton") else "sdpa"
     torch.backends.cuda.enable_cudnn_sdp(name != "efficient")
-    decode_attention.TARGET_PROGRAMS = int(programs) if programs else DEFAULT_TARGET_PROGRAMS
+    given = tuple(int(v) for v in launch.split("x")) if launch else ()
+    if len(given) == 1:  # N: the target programs alone
+        given = DEFAULT_ATTENTION_LAUNCH[:3] + given
+    (_decode_attention.BLOCK_SLOTS, _decode_attention.SPLIT_WARPS, _decode_attention.SPLIT_STAGES,
+     _decode_attention.TARGET_PROGRAMS) = given + DEFAULT_ATTENTION_LAUNCH[len(given):]
+
+
+# decode_attention's launch constants as the module sets them: block, warps, stages, target programs.
+DEFAULT_ATTENTION_LAUNCH = (_decode_attention.BLOCK_SLOTS, _decode_attention.SPLIT_WARPS,
+                            _decode_attention.SPLIT_STAGES, _decode_attention.TARGET_PROGRAMS)
 
 
 # A kernel's kind from its name, first match wins (names seen in an H200 profile: cuBLAS's nvjet /
@@ -589,8 +599,8 @@ def main() -> None:
     parser.add_argument("--hf-calls", type=int, default=2, help="generate calls per batch")
     parser.add_argument("--gap-rows", type=int, default=16)
     parser.add_argument("--decode-attention", default="triton",
-                        help="sdpa | efficient | triton | triton:PROGRAMS | matmul (comma-separated to compare): "
-                             "the decode step's attention")
+                        help="sdpa | efficient | triton | triton:PROGRAMS | triton:BLOCKxWARPSxSTAGES[xPROGRAMS] | "
+                             "matmul (comma-separated to compare): the decode step's attention")
     parser.add_argument("--warmup-tokens", type=int, default=4,
                         help="tokens per request of the warm-up batch (--new-tokens: every width's graph captured)")
     parser.add_argument("--width-step", type=int, default=0,
