@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+
 import torch
 
 from .decode_attention import triton_runs_on

@@ -65,7 +65,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -134,30 +134,34 @@ def device_memory(stage: str) -> None:
         print(f"[memory] {stage}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
 
 
+def event_seconds(fn: Callable[[], object], calls: int, tries: int = 3, warmups: int = 1) -> float:
+    """Seconds per call of ``fn`` on the GPU: after ``warmups`` calls, the best of ``tries``
+    timings (CUDA events) of ``calls`` calls in a row."""
+    for _ in range(warmups):
+        fn()
+    times = []
+    for _ in range(tries):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls)
+    return min(times)
+
+
 def measure_peaks(repeats: int = 20) -> Tuple[float, float]:
     """This GPU's (TFLOP/s, TB/s): the best of three timings of ``repeats`` 8192 x 8192 x 8192
     bf16 matmuls, and of ``repeats`` copies of 4 GiB (each byte read once and written once)."""
-    def best_seconds(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(repeats):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / repeats)
-        return min(times)
-
     def matmul_tflops() -> float:
         a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        return 2 * 8192**3 / best_seconds(lambda: a @ b) / 1e12
+        return 2 * 8192**3 / event_seconds(lambda: a @ b, repeats) / 1e12
 
     def copy_tbs() -> float:
         source = torch.empty(2**30, device="cuda", dtype=torch.float32)
         target = torch.empty_like(source)
-        return 2 * source.numel() * 4 / best_seconds(lambda: target.copy_(source)) / 1e12
+        return 2 * source.numel() * 4 / event_seconds(lambda: target.copy_(source), repeats) / 1e12
 
     peaks = matmul_tflops(), copy_tbs()
     release_memory()

@@ -16,6 +16,7 @@ decode step's weights are not in L2); larger ones time ``--calls`` calls with ev
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 from typing import Callable, List
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from decode_gemm_gpu import graph_us, swiglu  # noqa: E402 - the sibling benchmark's timer and activation
+from engine_gpu import event_seconds  # noqa: E402 - the engine benchmark's event timer
 from swiglu_matmul import DEFAULT_CONFIG, TileConfig, swiglu_matmul, swiglu_matmul_reference  # noqa: E402
 
 DEFAULT_CONFIGS = ",".join(str(c) for c in [
@@ -33,20 +35,6 @@ DEFAULT_CONFIGS = ",".join(str(c) for c in [
     TileConfig(128, 64, 64, 8, 4, 4), TileConfig(128, 64, 64, 8, 4, 4, True), TileConfig(64, 128, 64, 8, 4, 4),
     TileConfig(128, 128, 32, 8, 8, 4), TileConfig(256, 64, 64, 8, 8, 3), TileConfig(256, 64, 64, 8, 8, 3, True),
     TileConfig(64, 64, 64, 8, 4, 4), TileConfig(64, 64, 128, 8, 4, 3)])
-
-
-def events_us(fn: Callable[[], torch.Tensor], calls: int) -> float:
-    """Microseconds per call of ``fn`` over ``calls`` calls (after two warm-up calls)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return 1e3 * start.elapsed_time(end) / calls
 
 
 def main() -> None:
@@ -70,12 +58,12 @@ def main() -> None:
         x = torch.randn(rows, args.hidden, device="cuda", dtype=torch.bfloat16)
         flops = 2 * rows * 2 * args.ffn * args.hidden
         small = rows <= 4096
-        cycle = iter(range(1 << 62))
+        weight = itertools.cycle(weights)
 
         def timed(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float:
             if small:
-                return graph_us(lambda: fn(x, weights[next(cycle) % len(weights)]), args.layers)
-            return events_us(lambda: fn(x, weights[0]), args.calls)
+                return graph_us(lambda: fn(x, next(weight)), args.layers)
+            return 1e6 * event_seconds(lambda: fn(x, weights[0]), args.calls, tries=1, warmups=2)
 
         def line(name: str, us: float, baseline: float) -> None:
             lines.append(f"{rows:>7} {name:>22} {us:>10.2f} {flops / us / 1e6:>8.0f} {baseline / us:>7.3f}x")
