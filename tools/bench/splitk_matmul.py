@@ -8,8 +8,8 @@ order (so the result does not depend on which program finishes first), adds the 
 rounds once. ``gated``: the input is the gate and up projections side by side ([M, 2K], as
 megatron-core's fc1 writes them) and the kernel loads SwiGLU's product, silu(gate) · up rounded
 to the input's dtype as megatron-core's fused SwiGLU rounds it, so the down projection needs no
-activation kernel and no intermediate in memory. ``tools/bench/decode_gemm_gpu.py --splitk`` times it against cuBLAS; the engine
-does not use it.
+activation kernel and no intermediate in memory. ``tools/bench/decode_gemm_gpu.py --splitk``
+times it against cuBLAS; the engine does not use it.
 """
 
 from __future__ import annotations
@@ -67,16 +67,24 @@ def splitk_matmul(x: torch.Tensor, weight: torch.Tensor, residual: Optional[torc
     per_split = -(-per_split // config.block_k) * config.block_k  # whole K blocks per program
     if workspace is None:
         workspace = torch.empty(config.split * m * n, dtype=torch.float32, device=x.device)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     tiles = -(-m // config.block_m) * -(-n // config.block_n)
     # Whole tiles and K blocks everywhere: loads without masks, which Triton can vectorize.
     even = m % config.block_m == 0 and n % config.block_n == 0 and k % config.block_k == 0
     _partial_kernel()[(tiles, config.split)](
         x, weight, workspace, m, n, k, per_split, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-        BM=config.block_m, BN=config.block_n, BK=config.block_k, GATED=gated, EVEN=even, num_warps=config.warps, num_stages=config.stages)
+        BM=config.block_m, BN=config.block_n, BK=config.block_k, GATED=gated, EVEN=even, num_warps=config.warps,
+        num_stages=config.stages)
+    return reduce_partials(workspace, residual, config.split, m, n, x.dtype)
+
+
+def reduce_partials(partials: torch.Tensor, residual: Optional[torch.Tensor], split: int, m: int, n: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The [m, n] result of ``split`` fp32 partial sums laid out one after another in
+    ``partials``: added in a fixed order, plus the residual, rounded once to ``dtype``."""
+    out = torch.empty((m, n), dtype=dtype, device=partials.device)
     block = 1024
     _reduce_kernel()[(-(-m * n // block),)](
-        workspace, residual if residual is not None else out, out, m * n, SPLIT=config.split,
+        partials, residual if residual is not None else out, out, m * n, SPLIT=split,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
     return out
 
@@ -96,12 +104,7 @@ def bmm_splitk_matmul(x: torch.Tensor, weight: torch.Tensor, residual: Optional[
     pieces = k // split
     partials = torch.bmm(x.view(m, split, pieces).transpose(0, 1), weight.view(n, split, pieces).permute(1, 2, 0),
                          out_dtype=torch.float32)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block = 1024
-    _reduce_kernel()[(-(-m * n // block),)](
-        partials, residual if residual is not None else out, out, m * n, SPLIT=split,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=4)
-    return out
+    return reduce_partials(partials, residual, split, m, n, x.dtype)
 
 
 @functools.lru_cache(maxsize=1)

@@ -25,7 +25,8 @@ import functools
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
+
+from splitk_matmul import swiglu_reference  # the split-K candidate's SwiGLU, megatron-core's rounding
 
 
 class TileConfig(NamedTuple):
@@ -61,8 +62,7 @@ DEFAULT_CONFIG = TileConfig(128, 128, 64, 8, 8, 3)
 def swiglu_matmul_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``silu(x @ gate.T) · (x @ up.T)`` with ``weight = [gate; up]`` ([2 · ffn, hidden]): the
     matmul rounded to x's dtype, then the activation in fp32 rounded once."""
-    gate, up = torch.chunk(x @ weight.t(), 2, dim=-1)
-    return (F.silu(gate.float()) * up.float()).to(x.dtype)
+    return swiglu_reference(x @ weight.t())
 
 
 def swiglu_matmul(x: torch.Tensor, weight: torch.Tensor, config: Optional[TileConfig] = None) -> torch.Tensor:
