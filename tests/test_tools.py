@@ -386,3 +386,29 @@ def test_engine_gpu_bench_sorts_kernels_by_kind():
     lines = kinds_table([("nvjet_a", 30.0, 2), ("nvjet_b", 10.0, 2), ("rms_norm_kernel", 20.0, 8)], steps=2)
     assert lines[1].split() == ["matmul", "0.020", "2", "10.00", "66.7%"]
     assert lines[2].split() == ["norm", "0.010", "4", "2.50", "33.3%"]
+
+
+def test_engine_gpu_bench_sets_the_decode_attention_launch():
+    """``--decode-attention triton:BLOCKxWARPSxSTAGES[xPROGRAMS]`` sets decode_attention's launch
+    constants, ``triton:N`` only its target programs, and plain ``triton`` the module's own again."""
+    sys.path.insert(0, str(TOOLS / "bench"))
+    from engine_gpu import DEFAULT_ATTENTION_LAUNCH, use_decode_attention
+
+    from megatron_rl.models import decode_attention as da
+    from megatron_rl.models.kv_attention import CachedKVAttention
+
+    def launch():
+        return da.BLOCK_SLOTS, da.SPLIT_WARPS, da.SPLIT_STAGES, da.TARGET_PROGRAMS
+
+    kernel = CachedKVAttention.decode_kernel
+    try:
+        use_decode_attention("triton:32x8x3x256")
+        assert launch() == (32, 8, 3, 256)
+        use_decode_attention("triton:32x8")
+        assert launch() == (32, 8, *DEFAULT_ATTENTION_LAUNCH[2:])
+        use_decode_attention("triton:128")
+        assert launch() == (*DEFAULT_ATTENTION_LAUNCH[:3], 128)
+    finally:
+        use_decode_attention("triton")
+        CachedKVAttention.decode_kernel = kernel
+    assert launch() == DEFAULT_ATTENTION_LAUNCH
