@@ -350,6 +350,10 @@ def test_a_hung_engine_is_detected_and_its_requests_fail(megatron_world):
     timeout: the request waiting on it fails with an EngineError, later calls too, and shutdown
     kills the stopped process instead of waiting on it."""
     cfg = _cfg()
+    # A response far longer than the stop takes to land: with 200 tokens the core was seen to finish
+    # the whole response (the client, starved on a loaded 2-core box, still reading its first
+    # chunk) before the SIGSTOP, and the stream ended normally.
+    cfg.model.max_position_embeddings = 4096
 
     async def run():
         # The timeout must outlast the core's first steps on a loaded 2-core CI box (a probe waits
@@ -358,7 +362,7 @@ def test_a_hung_engine_is_detected_and_its_requests_fail(megatron_world):
                             health_interval_s=0.5, health_timeout_s=10.0)
         pids = engine.engine_pids()
         try:
-            stream = engine.generate("r0", [1, 2, 3], SamplingParams(max_new_tokens=200, stream=True))
+            stream = engine.generate("r0", [1, 2, 3], SamplingParams(max_new_tokens=4000, stream=True))
             await stream.__anext__()
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
